@@ -1,0 +1,1 @@
+"""Subcommands of the ``naflex-accum`` console script; each module has ``main(argv, prog)``."""

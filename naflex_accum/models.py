@@ -1,0 +1,113 @@
+"""NaFlex CLIP models built from open_clip's own classes with a timm NaFlexVit trunk.
+
+Invariant: a model made here is an ``open_clip.model.CLIP`` whose image tower
+is open_clip's ``TimmModel`` around a timm ``NaFlexVit``, so its state_dict keys
+are open_clip's and a checkpoint loads with ``open_clip.create_model`` from
+the same JSON config. Called with ``image={patches, patch_coord, patch_valid}``
+and ``text=tokens`` it returns open_clip's output dict (``image_features``,
+``text_features``, ``logit_scale`` and, for SigLIP, ``logit_bias``).
+
+timm has no NaFlexVit small enough for CPU tests, so ``register_timm_models()``
+adds a few named sizes to timm's registry; it runs only when called (by
+``create_model`` here), never at import.
+"""
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch.nn as nn
+
+CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+
+# Extra timm NaFlexVit sizes: name -> NaFlexVitCfg fields.
+TIMM_SIZES = {
+    "naflexvit_tiny_patch16_gap": dict(
+        patch_size=16, embed_dim=32, depth=2, num_heads=2, global_pool="avg", reg_tokens=1, fc_norm=True),
+    "naflexvit_small_patch16_gap": dict(
+        patch_size=16, embed_dim=384, depth=12, num_heads=6, init_values=1e-5, global_pool="avg",
+        reg_tokens=4, fc_norm=True),
+}
+
+
+default_cfgs: dict = {}
+
+
+def register_timm_models() -> None:
+    """Add the NaFlexVit sizes above to timm's registry (idempotent)."""
+    from timm.models import is_model
+    from timm.models._registry import register_model
+    from timm.models.naflexvit import NaFlexVitCfg, _cfg, _create_naflexvit
+
+    for name, fields in TIMM_SIZES.items():
+        if is_model(name):
+            continue
+        # register_model reads the entry's default config from its module's
+        # ``default_cfgs``; without one timm warns on every create.
+        default_cfgs[name] = _cfg(input_size=(3, 224, 224))
+
+        def factory(pretrained: bool = False, _name=name, _fields=fields, **kwargs):
+            return _create_naflexvit(_name, pretrained=pretrained, cfg=NaFlexVitCfg(**_fields), **kwargs)
+
+        factory.__name__ = name
+        factory.__module__ = __name__
+        register_model(factory)
+
+
+def list_models():
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_config(name_or_path: str) -> dict:
+    """A model config by name (``configs/models/NAME.json``) or by JSON path."""
+    path = Path(name_or_path)
+    if path.suffix != ".json":
+        path = CONFIG_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        raise ValueError(
+            f"--model {name_or_path!r}: no such model config; known models are "
+            f"{', '.join(list_models())}, or pass a path to an open_clip-style JSON config.")
+    with open(path) as f:
+        return json.load(f)
+
+
+def set_text_dropout(model: nn.Module, p: float) -> None:
+    """Attention dropout in every text-tower attention (open_clip 3.3.0 has no config field for it)."""
+    for module in model.transformer.modules():
+        if isinstance(module, nn.MultiheadAttention):
+            module.dropout = p
+
+
+def create_model(
+        name_or_config="naflex-tiny",
+        *,
+        siglip: Optional[bool] = None,
+        patch_dropout: Optional[float] = None,
+        drop_path: Optional[float] = None,
+        text_dropout: float = 0.0,
+):
+    """An open_clip ``CLIP`` with a NaFlexVit image tower, returning a dict.
+
+    ``siglip`` forces a ``logit_bias`` (init -10, logit scale init ln 10, as
+    SigLIP) on or off; ``None`` keeps what the config says.
+    """
+    from open_clip.model import CLIP
+
+    register_timm_models()
+    cfg = copy.deepcopy(name_or_config if isinstance(name_or_config, dict) else load_config(name_or_config))
+    if patch_dropout is not None:
+        cfg["vision_cfg"]["patch_dropout"] = patch_dropout
+    if drop_path is not None:
+        cfg["vision_cfg"]["timm_drop_path"] = drop_path
+    if siglip is True and cfg.get("init_logit_bias") is None:
+        cfg["init_logit_bias"] = -10.0
+        cfg["init_logit_scale"] = math.log(10)
+    elif siglip is False:
+        cfg.pop("init_logit_bias", None)
+        cfg.pop("init_logit_scale", None)
+    cfg.pop("custom_text", None)
+    model = CLIP(**cfg, output_dict=True)
+    if text_dropout:
+        set_text_dropout(model, text_dropout)
+    return model

@@ -1,0 +1,112 @@
+"""Pure maths of the NaFlex loss scale for one accumulation window.
+
+Invariant: the scale depends only on the *multiset* of microbatch sizes in a
+window (their sum and count), never on their order or on which replay is
+running, so how a window is split cannot change the update. No torch here:
+these functions take plain Python numbers and are cheap to call before any
+forward pass.
+"""
+import math
+from typing import Optional, Sequence, Union
+
+MODES = ("none", "linear", "sqrt")
+
+
+def is_positive_int(value) -> bool:
+    # bool is an int subclass; a True batch size is a bug, not a 1.
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def validate_mode(mode: Optional[str]) -> str:
+    """Normalise ``mode`` (``None`` means ``'none'``, as upstream) or raise."""
+    if mode is None:
+        return "none"
+    if mode not in MODES:
+        raise ValueError(
+            f"--naflex-loss-scale {mode!r} is not a known mode; valid modes are "
+            f"{', '.join(MODES)}."
+        )
+    return mode
+
+
+def validate_reference_batch_size(reference_batch_size) -> int:
+    if not is_positive_int(reference_batch_size):
+        raise ValueError(
+            f"NaFlex loss scaling requires a positive --batch-size reference: got "
+            f"{reference_batch_size!r}; pass a positive integer (the batch size the "
+            f"learning rate was tuned for), or use --naflex-loss-scale none."
+        )
+    return reference_batch_size
+
+
+def validate_sizes(sizes: Sequence[int]) -> list:
+    sizes = list(sizes)
+    if not sizes:
+        raise ValueError("an accumulation window needs at least one microbatch; got an empty window.")
+    bad = [(i, s) for i, s in enumerate(sizes) if not is_positive_int(s)]
+    if bad:
+        where = ", ".join(f"position {i}: {s!r}" for i, s in bad)
+        raise ValueError(
+            f"microbatch sizes must be positive integers; got {where} in window {sizes!r}."
+        )
+    return sizes
+
+
+def check_options(mode: Optional[str], reference_batch_size, naflex: bool = True) -> str:
+    """Validate the flags a window will use, before anything runs.
+
+    The reference batch size only matters (and is only checked) when the mode
+    scales and the window is NaFlex, matching upstream, where dense runs never
+    read it.
+    """
+    mode = validate_mode(mode)
+    if mode != "none" and naflex:
+        validate_reference_batch_size(reference_batch_size)
+    return mode
+
+
+def window_loss_scale(
+        sizes: Sequence[int],
+        reference_batch_size,
+        mode: Optional[str],
+        naflex: Union[bool, Sequence[bool]] = True,
+) -> float:
+    """One loss scale for a whole accumulation window.
+
+    'none' -> 1.0; 'linear' -> sum(sizes) / (len(sizes) * reference_batch_size),
+    i.e. the mean microbatch size over the reference; 'sqrt' -> its square root.
+    ``naflex`` is whether the window is NaFlex, or one flag per microbatch: a
+    dense window gets 1.0 (as upstream), a mixed one is refused.
+    """
+    mode = validate_mode(mode)
+    sizes = validate_sizes(sizes)
+    if not isinstance(naflex, bool):
+        flags = list(naflex)
+        if len(flags) != len(sizes):
+            raise ValueError(f"got {len(flags)} NaFlex flags for a window of {len(sizes)} microbatches.")
+        naflex = window_is_naflex(flags)
+    if mode == "none" or not naflex:
+        return 1.0
+    ref = validate_reference_batch_size(reference_batch_size)
+    scale = sum(sizes) / (len(sizes) * ref)
+    return math.sqrt(scale) if mode == "sqrt" else scale
+
+
+def window_is_naflex(flags: Sequence[bool]) -> bool:
+    """True for an all-NaFlex window, False for all-dense; a mix is an error.
+
+    A mixed window has no single meaning for the scale (upstream would scale
+    some replays and not others), so it is refused with the positions named.
+    """
+    flags = [bool(f) for f in flags]
+    if all(flags):
+        return True
+    if not any(flags):
+        return False
+    naflex = [i for i, f in enumerate(flags) if f]
+    dense = [i for i, f in enumerate(flags) if not f]
+    raise ValueError(
+        f"an accumulation window mixes NaFlex and dense microbatches: NaFlex at "
+        f"positions {naflex}, dense at positions {dense}. Feed one kind per window "
+        f"(every microbatch with batch['image'] a dict holding 'patches', or none)."
+    )

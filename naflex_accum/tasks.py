@@ -1,0 +1,90 @@
+"""CLIP and SigLIP training tasks that speak upstream open_clip's task protocol.
+
+Invariant: ``task(batch)`` and ``task.compute_accum_loss(inputs, inputs_no_accum,
+accum_batches)`` compute the same loss function, so a window replayed through
+the accumulation step and one full-batch forward see one objective. The
+protocol (``trainable_module``, ``batch_size``, ``clamp_logit_scale``,
+``prepare_batch``) is upstream's, so the step works with either.
+"""
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .step import total_loss
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside DDP and/or torch.compile wrappers."""
+    module = getattr(module, "module", module)
+    return getattr(module, "_orig_mod", module)
+
+
+def _report(source: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {key: source[key] for key in ("logit_scale", "logit_bias") if key in source}
+
+
+class ContrastiveTask(nn.Module):
+    """A model plus its contrastive loss; subclasses choose the loss."""
+
+    data_keys = ("image", "text")
+
+    def __init__(self, model: nn.Module, loss: nn.Module):
+        super().__init__()
+        self.trainable_module = model
+        self.loss = loss
+
+    def forward(self, batch: Dict) -> Tuple[Dict, Dict]:
+        model_out = self.trainable_module(image=batch["image"], text=batch["text"])
+        losses = self.loss(**model_out, output_dict=True)
+        losses["loss"] = total_loss(losses)
+        return losses, _report(model_out)
+
+    def compute_accum_loss(self, inputs, inputs_no_accum, accum_batches):
+        losses = self.loss(**inputs, **inputs_no_accum, output_dict=True)
+        return losses, _report(inputs_no_accum)
+
+    def batch_size(self, batch: Dict) -> int:
+        image = batch["image"]
+        if isinstance(image, dict):
+            return image["patches"].shape[0]
+        return image.shape[0]
+
+    def clamp_logit_scale(self, max_val: float = math.log(100)) -> None:
+        model = unwrap(self.trainable_module)
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, max_val)
+
+    def prepare_batch(self, batch: Dict, device, input_dtype: Optional[torch.dtype] = None) -> Dict:
+        """Move tensors to ``device``; floats take ``input_dtype``, integers and bools keep theirs."""
+        out = {}
+        for key, value in batch.items():
+            if isinstance(value, dict):
+                out[key] = self.prepare_batch(value, device, input_dtype)
+            elif isinstance(value, torch.Tensor):
+                dtype = input_dtype if value.is_floating_point() else None
+                out[key] = value.to(device=device, dtype=dtype, non_blocking=True)
+            else:
+                out[key] = value
+        return out
+
+
+class ClipTask(ContrastiveTask):
+    def __init__(self, model, *, local_loss=False, gather_with_grad=False, rank=0, world_size=1):
+        from open_clip.loss import ClipLoss
+
+        super().__init__(model, ClipLoss(
+            local_loss=local_loss, gather_with_grad=gather_with_grad, cache_labels=True,
+            rank=rank, world_size=world_size))
+
+
+class SigLipTask(ContrastiveTask):
+    def __init__(self, model, *, rank=0, world_size=1, **_ignored):
+        from open_clip.loss import SigLipLoss
+
+        super().__init__(model, SigLipLoss(rank=rank, world_size=world_size))
+
+
+def create_task(model, siglip: bool = False, **loss_kwargs) -> ContrastiveTask:
+    return (SigLipTask if siglip else ClipTask)(model, **loss_kwargs)
