@@ -8,4 +8,14 @@ from .step import AccumulationStep, train_step_eager
 
 __version__ = "0.1.0"
 
-__all__ = ["window_loss_scale", "train_step_eager", "AccumulationStep", "__version__"]
+_PATCH_API = ("install", "uninstall", "patched", "is_installed", "PatchError")
+
+__all__ = ["window_loss_scale", "train_step_eager", "AccumulationStep", *_PATCH_API, "__version__"]
+
+
+def __getattr__(name):
+    # The patch layer is imported on first use; importing it patches nothing.
+    if name in _PATCH_API:
+        from . import patch
+        return getattr(patch, name)
+    raise AttributeError(f"module 'naflex_accum' has no attribute {name!r}")

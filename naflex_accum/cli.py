@@ -13,6 +13,11 @@ from .errors import UsageError
 
 # name -> (module under naflex_accum.commands, one-line help)
 COMMANDS = {
+    "demo": ("demo", "make the demo data if needed and train the tiny model on the CPU (~2 min)"),
+    "train": ("train", "train a NaFlex CLIP/SigLIP on webdataset shards (open_clip flag names)"),
+    "make-demo-data": ("make_demo_data", "write synthetic image-caption webdataset shards"),
+    "openclip": ("openclip", "run upstream open_clip main's trainer with the fixed step installed"),
+    "verify": ("verify", "audit split invariance of the step training would use, on this install"),
     "table": ("table", "print the full split-invariance table (the README's table)"),
 }
 
