@@ -1,0 +1,197 @@
+"""Install the fixed accumulation step into upstream open_clip main, and take it out again.
+
+Invariant: ``open_clip_train.train._train_step_eager`` is replaced only after
+the installed open_clip is checked against the contract the fix was written
+for (the attribute exists and takes exactly ``(task, batch, accum_state,
+optimizer, scaler, autocast, args)``), or when the caller forces it; the
+replacement carries the original as ``__wrapped__``; ``uninstall()`` puts the
+original back only while the attribute is still ours, so it never undoes
+someone else's patch. Importing this module patches nothing.
+
+Replacing the module attribute is enough: upstream's ``train_one_epoch`` looks
+``_train_step_eager`` up in its module globals at every call.
+"""
+import contextlib
+import importlib
+import inspect
+import logging
+import os
+import sys
+import threading
+import warnings
+from typing import Callable, Optional
+
+from .step import train_step_eager
+
+TARGET_MODULE = "open_clip_train.train"
+TARGET_NAME = "_train_step_eager"
+TARGET = f"{TARGET_MODULE}.{TARGET_NAME}"
+EXPECTED_PARAMS = ("task", "batch", "accum_state", "optimizer", "scaler", "autocast", "args")
+EXPECTED = f"{TARGET}({', '.join(EXPECTED_PARAMS)})"
+# Set on every function this module installs, so ownership survives re-imports.
+OWNER_MARK = "_naflex_accum_patch"
+ANY_OPEN_CLIP = "`naflex-accum train` works with any open_clip"
+MISSING = f"no attribute {TARGET_NAME!r} in {TARGET_MODULE}"  # what open_clip 3.3.0 (PyPI) has
+
+_log = logging.getLogger(__name__)
+_lock = threading.RLock()
+_announced = False
+
+
+class PatchError(RuntimeError):
+    """The installed open_clip is not the one the patch was written for (one-line message)."""
+
+    def __init__(self, version: str, found: str):
+        self.version, self.expected, self.found = version, EXPECTED, found
+        self.missing = found == MISSING
+        super().__init__(
+            f"open_clip_torch {version}: cannot patch {TARGET}: expected {EXPECTED} (upstream open_clip "
+            f"main, 4.x dev, with NaFlex training), found {found}. {ANY_OPEN_CLIP}; "
+            f"install(force=True) patches anyway.")
+
+
+def open_clip_version() -> str:
+    """The installed open_clip_torch version, for messages; never raises."""
+    try:
+        from importlib.metadata import version
+        return version("open_clip_torch")
+    except Exception:  # not installed as a distribution (a source tree on sys.path)
+        try:
+            from open_clip.version import __version__
+            return __version__
+        except Exception:
+            return "(not installed)"
+
+
+def contract_problem(fn) -> Optional[str]:
+    """None when ``fn`` matches upstream's step signature, else what was found instead."""
+    if fn is None:
+        return MISSING
+    if not callable(fn):
+        return f"{TARGET_NAME} = a {type(fn).__name__}, not a function"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        return f"{TARGET_NAME} with no readable signature ({exc})"
+    params = list(sig.parameters.values())
+    names = tuple(p.name for p in params)
+    plain = all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in params)
+    if names != EXPECTED_PARAMS or not plain:
+        return f"{TARGET}{sig}"
+    return None
+
+
+def import_target():
+    """``open_clip_train.train``, or ``PatchError`` saying why it cannot be imported."""
+    try:
+        return importlib.import_module(TARGET_MODULE)
+    except ImportError as exc:
+        raise PatchError(open_clip_version(), f"{TARGET_MODULE} cannot be imported ({exc})") from None
+
+
+def is_ours(fn) -> bool:
+    return getattr(fn, OWNER_MARK, False) is True
+
+
+def is_installed() -> bool:
+    """Whether upstream's step is ours right now (never imports open_clip to find out)."""
+    module = sys.modules.get(TARGET_MODULE)
+    return module is not None and is_ours(getattr(module, TARGET_NAME, None))
+
+
+def _make_replacement(original) -> Callable:
+    def _train_step_eager(task, batch, accum_state, optimizer, scaler, autocast, args):
+        return train_step_eager(task, batch, accum_state, optimizer, scaler, autocast, args)
+
+    _train_step_eager.__doc__ = train_step_eager.__doc__
+    setattr(_train_step_eager, OWNER_MARK, True)
+    if original is not None:
+        _train_step_eager.__wrapped__ = original
+    return _train_step_eager
+
+
+def _rank() -> int:
+    """This process's global rank: torch.distributed once initialised, else the launcher's variables."""
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:
+        pass
+    for var in ("RANK", "PMI_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(var, "").strip().isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _announce(message: str) -> None:
+    """Say ``message`` once per process, on rank 0 only.
+
+    Launchers install before they configure logging (upstream's main adds its
+    handler after parsing args), so an unconfigured process gets stderr instead
+    of a record that would be dropped.
+    """
+    global _announced
+    if _announced or _rank() != 0:
+        return
+    _announced = True
+    if _log.hasHandlers():
+        _log.info(message)
+    else:
+        print(f"naflex-accum: {message}", file=sys.stderr, flush=True)
+
+
+def install(force: bool = False) -> Callable:
+    """Replace upstream's ``_train_step_eager`` with the fixed step; return the installed function.
+
+    A no-op when ours is already there. ``PatchError`` when open_clip does not
+    match the contract, unless ``force``, which warns and installs anyway.
+    """
+    with _lock:
+        module = import_target()
+        current = getattr(module, TARGET_NAME, None)
+        if is_ours(current):
+            return current
+        problem = contract_problem(current)
+        if problem is not None:
+            error = PatchError(open_clip_version(), problem)
+            if not force:
+                raise error
+            warnings.warn(f"{error} Installing anyway because force=True.", RuntimeWarning, stacklevel=2)
+        replacement = _make_replacement(current)
+        setattr(module, TARGET_NAME, replacement)
+        _announce(f"{TARGET} replaced by naflex_accum.train_step_eager (one loss scale per accumulation "
+                  f"window; open_clip_torch {open_clip_version()}).")
+        return replacement
+
+
+def uninstall() -> bool:
+    """Put upstream's original step back if ours is installed; True when something was restored."""
+    with _lock:
+        module = sys.modules.get(TARGET_MODULE)
+        current = getattr(module, TARGET_NAME, None) if module is not None else None
+        if not is_ours(current):
+            return False
+        original = getattr(current, "__wrapped__", None)
+        if original is None:  # forced onto an open_clip that had no such attribute
+            delattr(module, TARGET_NAME)
+        else:
+            setattr(module, TARGET_NAME, original)
+        _log.debug("%s restored to upstream's original", TARGET)
+        return True
+
+
+@contextlib.contextmanager
+def patched(force: bool = False):
+    """``with patched(): ...`` runs the block with the fixed step installed.
+
+    On exit it uninstalls only what it installed: a patch that was already in
+    place before the block stays.
+    """
+    was_installed = is_installed()
+    fn = install(force=force)
+    try:
+        yield fn
+    finally:
+        if not was_installed:
+            uninstall()

@@ -1,0 +1,111 @@
+"""The upstream runner: ``naflex-accum openclip`` and ``python -m naflex_accum.openclip``.
+
+On open_clip 3.3.0 it must stop with exit 2 and one line pointing to
+``naflex-accum train``; with a stand-in of upstream's step (and a stand-in of
+upstream's ``main``) it must hand ARGS over unchanged with our step in place,
+and take the patch out afterwards.
+"""
+import subprocess
+import sys
+import types
+
+import pytest
+
+from naflex_accum import cli, openclip
+from naflex_accum.patch import is_ours
+from upstream_stand_in import NAME, renamed_param_step, stand_in, upstream_train  # noqa: F401
+
+ARGS = ["--use-naflex", "--accum-freq", "4", "--naflex-loss-scale", "linear", "--batch-size=256",
+        "--train-data", "/data/{00000..00010}.tar", "--name", "a b"]
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _skip_unless_3_3(module):
+    if hasattr(module, NAME):
+        pytest.skip("this open_clip has _train_step_eager (not 3.3.0)")
+
+
+@pytest.fixture
+def fake_upstream_main(monkeypatch):
+    """``open_clip_train.main`` whose ``main`` records ARGS and which step it would call."""
+    seen = {}
+    module = types.ModuleType("open_clip_train.main")
+
+    def main(args):
+        train = sys.modules["open_clip_train.train"]
+        seen.update(args=args, step=getattr(train, NAME))
+        return seen.get("returns")
+    module.main = main
+    monkeypatch.setitem(sys.modules, "open_clip_train.main", module)
+    return seen
+
+
+def test_module_runner_on_3_3_exits_2_with_one_line(upstream_train, fake_upstream_main, capsys):
+    _skip_unless_3_3(upstream_train)
+    assert openclip.main(list(ARGS)) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("naflex_accum.openclip: error: open_clip_torch ")
+    assert "has no NaFlex training step" in line and "`naflex-accum train`" in line
+    assert "args" not in fake_upstream_main  # upstream's main never ran
+    assert not hasattr(upstream_train, NAME)
+
+
+def test_cli_runner_on_3_3_exits_2_with_one_line(upstream_train, capsys):
+    _skip_unless_3_3(upstream_train)
+    assert cli.main(["openclip", *ARGS]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("naflex-accum openclip: error: ") and "`naflex-accum train`" in line
+
+
+def test_python_dash_m_on_3_3_exits_2(upstream_train):
+    _skip_unless_3_3(upstream_train)
+    out = subprocess.run([sys.executable, "-m", "naflex_accum.openclip", *ARGS],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "`naflex-accum train`" in _one_line(out.stderr)
+
+
+def test_args_reach_upstream_unchanged_with_our_step_installed(stand_in, upstream_train, fake_upstream_main):
+    assert openclip.main(list(ARGS)) == 0
+    assert fake_upstream_main["args"] == ARGS
+    step = fake_upstream_main["step"]
+    assert is_ours(step) and step.__wrapped__ is stand_in
+    assert getattr(upstream_train, NAME) is stand_in  # taken out again afterwards
+
+
+def test_cli_runner_passes_help_through(stand_in, upstream_train, fake_upstream_main):
+    assert cli.main(["openclip", "--help"]) == 0
+    assert fake_upstream_main["args"] == ["--help"]
+
+
+@pytest.mark.parametrize("returned,code", [(None, 0), (-1, 1), (1, 1)])
+def test_upstream_refusals_become_a_failing_exit(stand_in, upstream_train, fake_upstream_main, returned, code):
+    fake_upstream_main["returns"] = returned
+    assert openclip.main([]) == code
+
+
+def test_patch_is_removed_when_upstream_exits(stand_in, upstream_train, monkeypatch):
+    # argparse inside upstream's main raises SystemExit (e.g. a bad flag).
+    module = types.ModuleType("open_clip_train.main")
+
+    def main(args):
+        raise SystemExit(2)
+    module.main = main
+    monkeypatch.setitem(sys.modules, "open_clip_train.main", module)
+    with pytest.raises(SystemExit):
+        openclip.main(["--no-such-flag"])
+    assert getattr(upstream_train, NAME) is stand_in
+
+
+def test_mismatched_upstream_is_refused_in_one_line(upstream_train, fake_upstream_main, capsys):
+    setattr(upstream_train, NAME, renamed_param_step)
+    assert openclip.main(list(ARGS)) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "expected open_clip_train.train._train_step_eager(task, batch, accum_state" in line
+    assert "(task, batch, state, optimizer" in line and "`naflex-accum train`" in line
+    assert "args" not in fake_upstream_main
