@@ -9,6 +9,9 @@ setup:
 test: setup
 	$(PY) -m pytest -q
 
+demo: setup
+	.venv/bin/naflex-accum demo
+
 table: setup
 	.venv/bin/naflex-accum table
 

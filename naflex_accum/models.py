@@ -111,3 +111,20 @@ def create_model(
     if text_dropout:
         set_text_dropout(model, text_dropout)
     return model
+
+
+def enable_patch_sizes(model) -> None:
+    """Let the NaFlexVit tower take unflattened [B, L, P, P, C] patches of any patch size.
+
+    timm resamples the patch-embedding weights per patch size (FlexiViT). The
+    interpolator has no parameters, so state_dict keys are unchanged and a
+    checkpoint still loads into the plain config.
+    """
+    from timm.layers import PatchEmbedInterpolator
+
+    embeds = model.visual.trunk.embeds
+    if getattr(embeds, "patch_interpolator", None) is None:
+        embeds.patch_interpolator = PatchEmbedInterpolator(
+            base_patch_size=tuple(embeds.patch_size), in_chans=3, embed_dim=embeds.proj.out_features,
+            channels_last=True, device=embeds.proj.weight.device)
+    embeds.enable_patch_interpolator = True

@@ -4,9 +4,14 @@ Invariant: a batch is ``{"patches": float [B, L, P*P*C] (channels-last per
 patch), "patch_coord": int64 [B, L, 2] (y, x), "patch_valid": bool [B, L]}``
 with every image's real patches first and zero padding (``patch_valid`` False)
 after, so the model's masking makes padding exactly inert. Uses timm's NaFlex
-transforms for the resize and patch layout.
+transforms for the resize and patch layout. With several patch sizes a batch's
+patches may stay unflattened, ``[B, L, P, P, C]`` (timm NaFlexVit's
+variable-patch-size input). The data pipeline's path (``pil_to_patches`` then
+``collate_uint8_patches``) keeps patches uint8 until one vectorised normalise per
+batch; padding is zero after normalising there too.
 """
-from typing import Dict, List, Sequence
+import functools
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from timm.data.naflex_transforms import get_image_size_for_seq, patchify_image
@@ -18,21 +23,81 @@ IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def image_to_patches(img: torch.Tensor, seq_len: int, patch_size: int = 16,
-                     mean=IMAGE_MEAN, std=IMAGE_STD) -> Dict[str, torch.Tensor]:
-    """A float [C, H, W] image in [0, 1], resized (keeping its aspect) to at most ``seq_len`` patches."""
+                     mean=IMAGE_MEAN, std=IMAGE_STD, flatten: bool = True) -> Dict[str, torch.Tensor]:
+    """A float [C, H, W] image in [0, 1], resized (keeping its aspect) to at most ``seq_len`` patches.
+
+    ``flatten=False`` gives patches ``[N, P, P, C]`` instead of ``[N, P*P*C]``.
+    """
     import torch.nn.functional as F
 
     _, (h, w) = get_image_size_for_seq(tuple(img.shape[-2:]), patch_size, seq_len)
     img = F.interpolate(img[None], size=(h, w), mode="bicubic", antialias=True, align_corners=False)[0]
     img = (img.clamp(0, 1) - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
-    patches, coord, valid = patchify_image(img, (patch_size, patch_size))
+    patches, coord, valid = patchify_image(img, (patch_size, patch_size), flatten_patches=flatten)
+    return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def size_for_seq(hw: Tuple[int, int], patch_size: int, seq_len: int) -> Tuple[int, int]:
+    """(h, w), multiples of ``patch_size``, keeping the aspect of ``hw`` within ``seq_len`` patches (cached)."""
+    return tuple(get_image_size_for_seq(hw, patch_size, seq_len)[1])
+
+
+def pil_to_patches(img, seq_len: int, patch_size: int = 16, flatten: bool = True) -> Dict[str, torch.Tensor]:
+    """A PIL image resized (keeping its aspect, bicubic) to at most ``seq_len`` patches, as uint8 patches.
+
+    Normalise a batch of them with ``collate_uint8_patches``. A not-yet-loaded JPEG is
+    decoded at the smallest DCT scale still at least the target size (``Image.draft``),
+    which is where most of the decode time goes for large images.
+    """
+    import numpy as np
+    from PIL import Image
+
+    h, w = size_for_seq((img.height, img.width), patch_size, seq_len)
+    if img.format == "JPEG":
+        img.draft("RGB", (w, h))
+    if img.mode in ("P", "PA") and "transparency" in img.info:
+        img = img.convert("RGBA")  # what PIL asks for; converting a palette with transparency straight to RGB warns
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    if img.size != (w, h):
+        img = img.resize((w, h), Image.BICUBIC)
+    hwc = torch.from_numpy(np.array(img, dtype=np.uint8))
+    patches, coord, valid = patchify_image(hwc.permute(2, 0, 1), (patch_size, patch_size), flatten_patches=flatten)
+    return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
+
+
+def collate_uint8_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
+                          mean=IMAGE_MEAN, std=IMAGE_STD) -> Dict[str, torch.Tensor]:
+    """Stack uint8 patch dicts (``pil_to_patches``), normalised and zero-padded to ``seq_len``.
+
+    Patches are channels-last (``[.., P*P*C]`` or ``[.., P, P, C]``). Each image is
+    converted and normalised in one fused pass straight into the batch tensor
+    (``addcmul`` of the uint8 patches), and only its padding rows are zeroed.
+    """
+    n, shape = len(items), tuple(items[0]["patches"].shape[1:])
+    channels = len(mean)
+    scale = 1.0 / (255.0 * torch.tensor(std))
+    neg_shift = -torch.tensor(mean) / torch.tensor(std)
+    patches = torch.empty((n, seq_len) + shape)
+    coord = torch.zeros(n, seq_len, 2, dtype=torch.int64)
+    valid = torch.zeros(n, seq_len, dtype=torch.bool)
+    for i, item in enumerate(items):
+        m = item["patches"].shape[0]
+        if m > seq_len:
+            raise ValueError(f"image {i} has {m} patches, more than the batch's sequence length {seq_len}.")
+        torch.addcmul(neg_shift, item["patches"].reshape(m, -1, channels), scale,
+                      out=patches[i, :m].view(m, -1, channels))
+        patches[i, m:] = 0
+        coord[i, :m] = item["patch_coord"]
+        valid[i, :m] = item["patch_valid"]
     return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
 
 
 def collate_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int) -> Dict[str, torch.Tensor]:
-    """Stack per-image patch dicts, zero-padding each to ``seq_len``."""
-    n, dim = len(items), items[0]["patches"].shape[-1]
-    patches = torch.zeros(n, seq_len, dim)
+    """Stack per-image patch dicts, zero-padding each to ``seq_len`` (flat or unflattened patches)."""
+    n, shape = len(items), tuple(items[0]["patches"].shape[1:])
+    patches = torch.zeros((n, seq_len) + shape)
     coord = torch.zeros(n, seq_len, 2, dtype=torch.int64)
     valid = torch.zeros(n, seq_len, dtype=torch.bool)
     for i, item in enumerate(items):

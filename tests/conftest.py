@@ -9,6 +9,10 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+# Fixtures that put a stand-in upstream step on open_clip_train.train and restore it.
+from upstream_stand_in import stand_in, upstream_train  # noqa: E402,F401
+
+
 @pytest.fixture
 def make_task():
     from naflex_accum.audit import default_task_factory

@@ -13,7 +13,7 @@ import pytest
 
 from naflex_accum import cli, openclip
 from naflex_accum.patch import is_ours
-from upstream_stand_in import NAME, renamed_param_step, stand_in, upstream_train  # noqa: F401
+from upstream_stand_in import NAME, renamed_param_step
 
 ARGS = ["--use-naflex", "--accum-freq", "4", "--naflex-loss-scale", "linear", "--batch-size=256",
         "--train-data", "/data/{00000..00010}.tar", "--name", "a b"]

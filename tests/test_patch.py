@@ -15,8 +15,7 @@ import naflex_accum
 from naflex_accum import patch
 from naflex_accum.audit import audit_case
 from naflex_accum.patch import EXPECTED, PatchError, install, is_installed, patched, uninstall
-from upstream_stand_in import (NAME, extra_param_step, renamed_param_step, stand_in,  # noqa: F401
-                               through_module, upstream_train, varargs_step)
+from upstream_stand_in import NAME, extra_param_step, renamed_param_step, through_module, varargs_step
 
 
 def test_lazy_exports_are_the_patch_api():

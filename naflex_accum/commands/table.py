@@ -3,11 +3,10 @@
 Every split of AUDIT_SPLITS, every mode, CLIP and SigLIP, with and without
 stochastic layers; exits 0 only if every row passes.
 """
-import argparse
 import json
 import time
 
-from ..errors import UsageError
+from ..errors import OneLineParser, UsageError
 
 MODES = ("none", "linear", "sqrt")
 
@@ -34,7 +33,7 @@ def load_step(spec: str):
 
 
 def main(argv, prog="naflex-accum table") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--step", default="naflex_accum.step:train_step_eager",
                         help="MODULE:FUNCTION of the step to audit (default: ours)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row")

@@ -9,7 +9,7 @@ again afterwards. Otherwise it is ``naflex_accum.train_step_eager`` on the
 built-in tiny task, which ``naflex-accum train`` uses. ``--step`` audits any
 other function of the same signature, unpatched. Exit 0 only if every row passes.
 """
-import argparse
+from ..errors import OneLineParser
 import contextlib
 import json
 import time
@@ -143,7 +143,7 @@ def render_json(target: Target, loss: str, version: str, results, seconds: float
 
 
 def main(argv, prog="naflex-accum verify") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--loss", default="clip", choices=("clip", "siglip"),
                         help="contrastive loss of the tiny model (default: clip)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -1,0 +1,141 @@
+"""Process-group set-up from torchrun's or SLURM's environment, with open_clip's precedence.
+
+Invariants: every rank agrees on (rank, world_size) before any model or data is
+made; a half-set environment (a RANK without a WORLD_SIZE, say) is an error,
+not a silent single-process run; collectives here are no-ops in one process.
+"""
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UsageError
+
+# The first variable found wins, as open_clip's world_info_from_env.
+LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+RANK_VARS = ("RANK", "PMI_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+WORLD_VARS = ("WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+@dataclass
+class World:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    distributed: bool = False
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def mean(self, tensors: dict) -> dict:
+        """All-reduce mean of a dict of scalar tensors (identity in one process)."""
+        if not self.distributed:
+            return tensors
+        out = {}
+        for key, value in tensors.items():
+            value = value.detach().clone()
+            dist.all_reduce(value)
+            out[key] = value / self.world_size
+        return out
+
+    def sum_int(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(t)
+        return int(t.item())
+
+    def gather_object(self, obj) -> list:
+        """Every rank's ``obj``, in rank order (on every rank)."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_equal(self, values) -> bool:
+        """Whether a small list of ints is the same on every rank (one all-reduce of max and -min)."""
+        if not self.distributed:
+            return True
+        t = torch.tensor(list(values), dtype=torch.int64, device=_collective_device())
+        both = torch.cat([t, -t])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        return bool(torch.equal(both[: len(t)], -both[len(t):]))
+
+
+def _collective_device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _first(env, names):
+    for name in names:
+        if name in env:
+            return name, env[name]
+    return None, None
+
+
+def _int_var(name, value):
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def world_from_env(env=None) -> World:
+    env = os.environ if env is None else env
+    rank_name, rank = _first(env, RANK_VARS)
+    world_name, world = _first(env, WORLD_VARS)
+    local_name, local = _first(env, LOCAL_RANK_VARS)
+    if (rank is None) != (world is None):
+        have, missing = (rank_name, "a world size (WORLD_SIZE or SLURM_NTASKS)") if rank is not None \
+            else (world_name, "a rank (RANK or SLURM_PROCID)")
+        raise UsageError(f"{have} is set but {missing} is not: launch with torchrun or srun, or unset {have}")
+    if rank is None:
+        return World()
+    rank, world = _int_var(rank_name, rank), _int_var(world_name, world)
+    local = _int_var(local_name, local) if local is not None else 0
+    if world < 1 or not 0 <= rank < world:
+        raise UsageError(f"{rank_name}={rank} is not in [0, {world_name}={world})")
+    return World(rank=rank, local_rank=local, world_size=world, distributed=world > 1)
+
+
+def slurm_master_addr(nodelist: str) -> str:
+    """The first host of a SLURM node list like ``node[01-04,07],gpu5``."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    m = re.match(r"^([^\[]+)\[([^\]]+)\]", first)
+    if not m:
+        return first
+    prefix, ranges = m.groups()
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def slurm_master_port(job_id: str) -> int:
+    return 10000 + int(re.sub(r"\D", "", job_id) or 0) % 20000
+
+
+def init_distributed(device_arg=None, env=None) -> tuple:
+    """``(World, torch.device)``; initialises the process group when there is more than one rank."""
+    env = os.environ if env is None else env
+    world = world_from_env(env)
+    if device_arg:
+        device = torch.device(device_arg)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    if world.distributed and not dist.is_initialized():
+        if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
+            os.environ["MASTER_ADDR"] = slurm_master_addr(env["SLURM_JOB_NODELIST"])
+        if "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
+            os.environ["MASTER_PORT"] = str(slurm_master_port(env["SLURM_JOB_ID"]))
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if var not in os.environ:
+                raise UsageError(f"{var} is not set: launch with torchrun, or under SLURM with SLURM_JOB_NODELIST")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://",
+                                rank=world.rank, world_size=world.world_size)
+    return world, device

@@ -1,0 +1,49 @@
+"""Held-out retrieval: image-to-text and text-to-image recall@1/5 and the contrastive loss.
+
+Invariant: evaluation runs in eval mode under no_grad on the unwrapped model
+(no DDP hooks, no collectives), sees every held-out sample once, and leaves
+the model in train mode afterwards.
+"""
+from typing import Dict
+
+import torch
+import torch.nn.functional as F
+
+from ..tasks import unwrap
+
+
+def retrieval_metrics(image_features, text_features, logit_scale) -> Dict[str, float]:
+    logits = logit_scale * image_features @ text_features.t()
+    truth = torch.arange(len(image_features))
+    metrics = {}
+    for name, scores in (("image_to_text", logits), ("text_to_image", logits.t())):
+        ranking = torch.argsort(scores, dim=1, descending=True)
+        rank = (ranking == truth[:, None]).nonzero()[:, 1].float()
+        metrics[f"{name}_mean_rank"] = rank.mean().item() + 1
+        for k in (1, 5):
+            metrics[f"{name}_R@{k}"] = (rank < k).float().mean().item()
+    metrics["clip_val_loss"] = ((F.cross_entropy(logits, truth) + F.cross_entropy(logits.t(), truth)) / 2).item()
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(task, val_loader, device, autocast) -> Dict[str, float]:
+    model = unwrap(task.trainable_module)
+    was_training = model.training
+    model.eval()
+    images, texts, scale = [], [], None
+    try:
+        for batch in val_loader:
+            batch = task.prepare_batch(batch, device)
+            with autocast():
+                out = model(image=batch["image"], text=batch["text"])
+            images.append(out["image_features"].float().cpu())
+            texts.append(out["text_features"].float().cpu())
+            scale = out["logit_scale"].float().cpu()
+    finally:
+        model.train(was_training)
+    if not images:
+        return {}
+    metrics = retrieval_metrics(torch.cat(images), torch.cat(texts), scale)
+    metrics["num_samples"] = float(sum(len(x) for x in images))
+    return metrics

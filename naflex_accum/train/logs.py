@@ -1,0 +1,139 @@
+"""Console, ``out.log`` and tensorboard logging of a run, on rank 0 only.
+
+Invariant: every rank runs the same code, but only rank 0 writes (files,
+tensorboard events, console lines); the console line keeps open_clip's shape
+(``Train Epoch: E [n/N (p%)] ... LR: ... Logit Scale: ... Loss: v (avg)``) with
+image tokens/s added.
+"""
+import logging
+import sys
+import time
+from typing import Dict, Optional
+
+LOGGER_NAME = "naflex_accum"
+
+
+def setup_logging(log_file=None, is_master: bool = True) -> logging.Logger:
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.handlers.clear()
+    logger.propagate = False
+    logger.setLevel(logging.INFO if is_master else logging.WARNING)
+    fmt = logging.Formatter("%(asctime)s | %(levelname)s | %(message)s", datefmt="%Y-%m-%d,%H:%M:%S")
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    logger.addHandler(console)
+    if log_file is not None and is_master:
+        handler = logging.FileHandler(log_file, mode="a")
+        handler.setFormatter(fmt)
+        logger.addHandler(handler)
+    return logger
+
+
+class Meter:
+    """Current value and running average."""
+
+    def __init__(self):
+        self.val, self.sum, self.count = 0.0, 0.0, 0
+
+    def update(self, val: float, n: int = 1):
+        self.val = val
+        self.sum += val * n
+        self.count += n
+
+    @property
+    def avg(self) -> float:
+        return self.sum / max(1, self.count)
+
+
+class RunLogger:
+    """Step and eval metrics to the console, out.log and (optionally) tensorboard."""
+
+    def __init__(self, logger: logging.Logger, is_master: bool, tensorboard_dir=None):
+        self.log = logger
+        self.is_master = is_master
+        self.writer = None
+        if is_master and tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+        self.loss_meters: Dict[str, Meter] = {}
+        self.first_loss: Optional[float] = None
+        self.epoch_losses: list = []  # average training loss of each finished epoch
+        self.evals: list = []  # (epoch, metrics) of each evaluation
+        self.bar = None
+        self._last = time.time()
+
+    def start_epoch(self, epoch: int, num_steps: int):
+        self.loss_meters = {}
+        self._last = time.time()
+        if self.is_master and sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=num_steps, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+
+    def step(self, epoch: int, step_in_epoch: int, num_steps: int, global_step: int, info: dict,
+             samples_per_epoch: int, console: bool):
+        """``info``: loss terms, lr, logit_scale, window_scale, window_samples, samples, tokens, data_time."""
+        now = time.time()
+        batch_time, self._last = now - self._last, now
+        if not self.is_master:
+            return
+        if self.first_loss is None:
+            self.first_loss = info["losses"]["loss"]
+        for key, value in info["losses"].items():
+            self.loss_meters.setdefault(key, Meter()).update(value, info["window_samples"])
+        sps = info["window_samples_global"] / batch_time
+        tps = info["window_tokens_global"] / batch_time
+        scalars = {"loss": info["losses"]["loss"], "lr": info["lr"], "logit_scale": info["logit_scale"],
+                   "window_scale": info["window_scale"], "window_samples": info["window_samples_global"],
+                   "samples_per_second": sps, "image_tokens_per_second": tps, "batch_time": batch_time}
+        if info.get("logit_bias") is not None:
+            scalars["logit_bias"] = info["logit_bias"]
+        if self.writer is not None:
+            for key, value in scalars.items():
+                self.writer.add_scalar(f"train/{key}", value, global_step)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{info['losses']['loss']:.4f}", lr=f"{info['lr']:.2e}")
+        if console:
+            self._console_line(epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps)
+
+    def _console_line(self, epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps):
+        done = info["samples"]
+        digits = len(str(samples_per_epoch))
+        losses = " ".join(f"{k.capitalize()}: {m.val:#.5g} ({m.avg:#.5g})" for k, m in self.loss_meters.items())
+        self.log.info(
+            f"Train Epoch: {epoch} [{done:>{digits}}/{samples_per_epoch} "
+            f"({100.0 * step_in_epoch / num_steps:.0f}%)] Step: {step_in_epoch}/{num_steps} "
+            f"Data (t): {info['data_time']:.3f} Batch (t): {batch_time:.3f}, {sps:#g}/s, {tps:#g} tok/s "
+            f"LR: {info['lr']:5f} Logit Scale: {info['logit_scale']:.3f} {losses}")
+
+    def end_epoch(self):
+        if self.is_master and "loss" in self.loss_meters:
+            self.epoch_losses.append(self.loss_meters["loss"].avg)
+            summary = "  ".join(f"Avg {k.capitalize()}: {m.avg:#.5g}" for k, m in self.loss_meters.items())
+            self.log.info(f"End epoch | {summary}")
+            self.loss_meters = {}
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def eval(self, epoch: int, metrics: Dict[str, float], global_step: int):
+        if not self.is_master or not metrics:
+            return
+        self.evals.append((epoch, dict(metrics)))
+        self.log.info(f"Eval Epoch: {epoch} " + "\t".join(f"{k}: {v:.4f}" for k, v in metrics.items()))
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(f"val/{key}", value, global_step)
+
+    def close(self):
+        self.end_epoch()
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def write_params(path, args, log: Optional[logging.Logger] = None) -> None:
+    """``name: value`` per flag, sorted, as open_clip's params.txt."""
+    with open(path, "w") as f:
+        for name in sorted(vars(args)):
+            f.write(f"{name}: {getattr(args, name)}\n")

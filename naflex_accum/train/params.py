@@ -1,0 +1,141 @@
+"""Command-line flags of ``naflex-accum train``, with open_clip's names, plus ``--config`` presets.
+
+Invariant: the parsed namespace is complete and valid before anything is
+created: every bad value is a ``UsageError`` naming the flag and what is valid,
+and a YAML preset only supplies defaults, so flags on the command line win.
+"""
+import argparse
+from pathlib import Path
+from typing import List, Optional
+
+from ..errors import OneLineParser, UsageError
+from ..scales import MODES, check_options
+
+RUN_CONFIG_DIR = Path(__file__).resolve().parent.parent / "run_configs"
+
+
+def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog, description="Train a NaFlex CLIP/SigLIP with exact gradient accumulation.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML run preset (configs/runs/NAME.yaml or a path); flags win")
+    d = p.add_argument_group("data")
+    d.add_argument("--train-data", default=None, help="webdataset shards: braceexpand patterns joined by '::'")
+    d.add_argument("--train-num-samples", type=int, default=None, help="samples per epoch")
+    d.add_argument("--naflex-num-train-image-tokens", type=int, default=None, help="image tokens per epoch")
+    d.add_argument("--val-data", default=None, help="held-out shards for retrieval recall@1/5")
+    d.add_argument("--val-seq-len", type=int, default=None, help="eval sequence length (default: largest train one)")
+    d.add_argument("--val-batch-size", type=int, default=64)
+    d.add_argument("--val-at-start", action="store_true", help="also evaluate before the first step")
+    d.add_argument("--workers", type=int, default=2, help="data loader workers per process")
+    d.add_argument("--naflex-seq-lens", type=int, nargs="+", default=[64, 144, 256])
+    d.add_argument("--naflex-seq-len-probs", type=float, nargs="+", default=None)
+    d.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096)
+    d.add_argument("--naflex-batch-divisor", type=int, default=8)
+    d.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=[16])
+    m = p.add_argument_group("model and loss")
+    m.add_argument("--model", default="naflex-tiny", help="configs/models/NAME.json or a JSON path")
+    m.add_argument("--siglip", action="store_true", help="sigmoid loss (SigLipLoss) and a logit bias")
+    m.add_argument("--local-loss", action="store_true", help="ClipLoss: local logits against global features")
+    m.add_argument("--gather-with-grad", action="store_true", help="ClipLoss: all-gather with gradient")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--batch-size", type=int, default=64, help="reference batch size for --naflex-loss-scale")
+    o.add_argument("--accum-freq", type=int, default=1, help="microbatches per optimizer step")
+    o.add_argument("--accum-mode", choices=("replay", "cached-loss"), default="replay",
+                   help="replay: recompute the window loss per microbatch; cached-loss: once per window")
+    o.add_argument("--naflex-loss-scale", choices=MODES, default="none")
+    o.add_argument("--epochs", type=int, default=1)
+    o.add_argument("--lr", type=float, default=5e-4)
+    o.add_argument("--wd", type=float, default=0.2)
+    o.add_argument("--beta1", type=float, default=0.9)
+    o.add_argument("--beta2", type=float, default=0.98)
+    o.add_argument("--eps", type=float, default=1e-6)
+    o.add_argument("--warmup", type=int, default=100, help="warm-up optimizer steps")
+    o.add_argument("--lr-scheduler", choices=("cosine", "const"), default="cosine")
+    o.add_argument("--grad-clip-norm", type=float, default=None)
+    o.add_argument("--precision", choices=("fp32", "amp_bf16", "amp"), default="fp32",
+                   help="amp = fp16 autocast with a GradScaler")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    r = p.add_argument_group("run folder and logging")
+    r.add_argument("--logs", "--logs-dir", dest="logs", default="./logs",
+                   help="parent folder of run folders (--logs-dir: the same, for torchrun, which rejects --logs)")
+    r.add_argument("--name", default=None, help="run folder name (default: date, model, lr, batch size)")
+    r.add_argument("--resume", default=None, help="checkpoint path, or 'latest' in logs/NAME/checkpoints")
+    r.add_argument("--save-frequency", type=int, default=1, help="save every N epochs (0: never)")
+    r.add_argument("--report-to", default="", help="'tensorboard' or '' (none)")
+    r.add_argument("--log-every-n-steps", type=int, default=100)
+    return p
+
+
+def _resolve_config(path: str) -> Path:
+    candidate = Path(path)
+    if candidate.suffix not in (".yaml", ".yml"):
+        candidate = RUN_CONFIG_DIR / f"{path}.yaml"
+    if not candidate.is_file():
+        known = ", ".join(sorted(q.stem for q in RUN_CONFIG_DIR.glob("*.yaml")))
+        raise UsageError(f"--config {path!r}: no such file; presets are {known}, or pass a YAML path")
+    return candidate
+
+
+def load_preset(parser: argparse.ArgumentParser, path: str) -> dict:
+    import yaml
+
+    config_path = _resolve_config(path)
+    with open(config_path) as f:
+        preset = yaml.safe_load(f) or {}
+    if not isinstance(preset, dict):
+        raise UsageError(f"--config {config_path}: expected a mapping of flag names to values")
+    known = {a.dest for a in parser._actions}
+    out = {}
+    for key, value in preset.items():
+        dest = key.replace("-", "_")
+        if dest not in known or dest == "config":
+            raise UsageError(f"--config {config_path}: unknown key {key!r} (use train flag names, e.g. accum-freq)")
+        out[dest] = value
+    return out
+
+
+def parse_args(argv: Optional[List[str]] = None, prog: str = "naflex-accum train") -> argparse.Namespace:
+    parser = build_parser(prog)
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        parser.set_defaults(**load_preset(parser, first.config))
+    args = parser.parse_args(argv)
+    validate(args)
+    return args
+
+
+def _positive(args, *names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive; got {value}")
+
+
+def validate(args) -> None:
+    if not args.train_data:
+        raise UsageError("--train-data is required: webdataset shards, e.g. 'data/train-{0000..0009}.tar'")
+    _positive(args, "accum_freq", "epochs", "lr", "naflex_max_tokens_per_batch", "naflex_batch_divisor",
+              "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
+              "val_seq_len")
+    if args.workers < 0 or args.warmup < 0 or args.save_frequency < 0:
+        raise UsageError("--workers, --warmup and --save-frequency must be >= 0")
+    try:
+        check_options(args.naflex_loss_scale, args.batch_size, naflex=True)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if any(s <= 0 for s in args.naflex_seq_lens) or any(s <= 0 for s in args.naflex_patch_sizes):
+        raise UsageError("--naflex-seq-lens and --naflex-patch-sizes must be positive integers")
+    too_long = [s for s in args.naflex_seq_lens if s > args.naflex_max_tokens_per_batch]
+    if too_long:
+        raise UsageError(f"--naflex-seq-lens {too_long} exceed --naflex-max-tokens-per-batch "
+                         f"{args.naflex_max_tokens_per_batch}: no batch of one image fits the budget")
+    if args.naflex_seq_len_probs is not None and len(args.naflex_seq_len_probs) != len(args.naflex_seq_lens):
+        raise UsageError(f"--naflex-seq-len-probs needs one weight per --naflex-seq-lens value "
+                         f"({len(args.naflex_seq_lens)}); got {len(args.naflex_seq_len_probs)}")
+    if args.report_to not in ("", "tensorboard", "none"):
+        raise UsageError(f"--report-to {args.report_to!r}: valid values are 'tensorboard' or '' (none)")
+    if args.siglip and (args.local_loss or args.gather_with_grad):
+        raise UsageError("--local-loss and --gather-with-grad apply to the CLIP loss, not --siglip")
+    if args.name is not None and (not args.name or "/" in args.name or args.name in (".", "..")):
+        raise UsageError(f"--name {args.name!r}: use a plain folder name without '/'")

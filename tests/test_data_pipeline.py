@@ -1,0 +1,212 @@
+"""The train loader: batch format and sizes, rank/worker agreement, determinism, multi-worker runs."""
+import pytest
+import torch
+
+from naflex_accum.data import make_train_loader
+from naflex_accum.data.samples import Corruption
+from test_data_common import BUDGET, CharTokenizer, config, decode_text, demo, shard_paths
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return demo(tmp_path_factory.mktemp("pipeline")).train
+
+
+def check_batch(batch, spec, budget=BUDGET):
+    assert set(batch) == {"image", "text"}
+    image = batch["image"]
+    assert set(image) == {"patches", "patch_coord", "patch_valid"}
+    b, L = spec.batch_size, spec.seq_len
+    p = spec.patch_size
+    assert image["patches"].dtype == torch.float32 and image["patches"].shape in ((b, L, p * p * 3), (b, L, p, p, 3))
+    assert image["patch_coord"].dtype == torch.int64 and image["patch_coord"].shape == (b, L, 2)
+    assert image["patch_valid"].dtype == torch.bool and image["patch_valid"].shape == (b, L)
+    assert batch["text"].dtype == torch.int64 and batch["text"].shape[0] == b
+    assert b * L <= budget
+    valid = image["patch_valid"]
+    counts = valid.sum(1)
+    assert (counts > 0).all()
+    # real patches first, zero padding after: padding is inert under the model's mask
+    assert torch.equal(valid, torch.arange(L)[None] < counts[:, None])
+    assert (image["patches"][~valid] == 0).all() and (image["patch_coord"][~valid] == 0).all()
+    ys, xs = image["patch_coord"][..., 0], image["patch_coord"][..., 1]
+    for i in range(b):
+        m = int(counts[i])
+        rows, cols = int(ys[i, :m].max()) + 1, int(xs[i, :m].max()) + 1
+        assert rows * cols == m <= L  # a full grid of the resized image
+
+
+def test_batches_follow_schedule(shards):
+    loader = make_train_loader(config(shards, accum_freq=2), CharTokenizer())
+    assert loader.num_batches % 2 == 0 and len(loader) == loader.num_batches
+    specs = loader.schedule(0)
+    batches = list(loader)
+    assert len(batches) == loader.num_batches == len(specs)
+    for batch, spec in zip(batches, specs):
+        check_batch(batch, spec)
+    assert loader.stats == {"epoch": 0, "batches": len(specs), "samples": sum(s.batch_size for s in specs),
+                            "image_tokens": sum(int(b["image"]["patch_valid"].sum()) for b in batches),
+                            "corrupt": 0}
+    assert loader.num_samples == sum(s.batch_size for s in specs) >= 120
+    assert all(c.startswith("a ") and c.endswith(" background") for b in batches for c in decode_text(b["text"]))
+
+
+def test_ranks_agree_on_schedule_and_count(shards):
+    loaders = [make_train_loader(config(shards, rank=r, world_size=3, num_samples=300), CharTokenizer())
+               for r in range(3)]
+    assert len({ld.num_batches for ld in loaders}) == 1
+    assert len({ld.num_samples for ld in loaders}) == 1
+    for epoch in (0, 1):
+        assert all(ld.schedule(epoch) == loaders[0].schedule(epoch) for ld in loaders)
+    firsts = []
+    for ld in loaders:
+        batches = list(ld)
+        assert len(batches) == ld.num_batches
+        firsts.append(decode_text(batches[0]["text"]))
+    assert firsts[0] != firsts[1] != firsts[2]  # ranks read different samples
+
+
+def test_simulated_workers_build_their_share_of_the_schedule(shards):
+    loader = make_train_loader(config(shards, workers=3), CharTokenizer())
+    specs = loader.schedule(0)
+    seen = {}
+    for worker in range(3):
+        stream = loader.stream()  # what a DataLoader worker runs, driven directly
+        for batch, meta in stream._batches(worker):
+            assert meta["index"] % 3 == worker
+            check_batch(batch, specs[meta["index"]])
+            seen[meta["index"]] = batch
+    assert sorted(seen) == list(range(loader.num_batches))
+
+
+def test_two_workers_yield_exactly_num_batches_in_order(shards):
+    from open_clip.tokenizer import SimpleTokenizer
+
+    loader = make_train_loader(config(shards, workers=2, num_samples=150), SimpleTokenizer(context_length=32))
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        specs = loader.schedule(epoch)
+        batches = list(loader)
+        assert len(batches) == loader.num_batches == loader.stats["batches"]
+        for batch, spec in zip(batches, specs):
+            check_batch(batch, spec)
+            assert batch["text"].shape[1] == 32
+        assert loader.stats["samples"] == sum(s.batch_size for s in specs)
+
+
+def test_epoch_is_pure_function_of_seed_epoch_rank(shards):
+    def run(epoch, **kw):
+        loader = make_train_loader(config(shards, **kw), CharTokenizer())
+        loader.set_epoch(epoch)
+        return list(loader)
+
+    def same(a, b):
+        return len(a) == len(b) and all(torch.equal(x["text"], y["text"]) and
+                                        torch.equal(x["image"]["patches"], y["image"]["patches"])
+                                        for x, y in zip(a, b))
+
+    once = run(1)
+    assert same(once, run(1))                          # a resumed run sees the same epoch
+    assert not same(once, run(2))
+    assert not same(once, run(1, seed=5))
+    assert same(run(1, workers=2), run(1, workers=2))  # worker interleaving is deterministic too
+
+
+def test_stream_does_not_depend_on_batch_size(shards):
+    # One sequence length: budget T with accum 2 vs 2T with accum 1 -> batch i at 2T == batches 2i, 2i+1 at T.
+    def run(budget, accum, workers):
+        cfg = config(shards, seq_lens=(36,), max_tokens_per_batch=budget, accum_freq=accum, num_samples=100,
+                     workers=workers)
+        return list(make_train_loader(cfg, CharTokenizer()))
+
+    small, large = run(36 * 4, 2, 0), run(36 * 8, 1, 0)
+    assert len(small) == 2 * len(large)
+    for i, big in enumerate(large):
+        a, b = small[2 * i], small[2 * i + 1]
+        assert torch.equal(big["text"], torch.cat([a["text"], b["text"]]))
+        for key in big["image"]:
+            assert torch.equal(big["image"][key], torch.cat([a["image"][key], b["image"][key]]))
+    one_worker = run(36 * 8, 1, 1)  # a single DataLoader worker reads the same stream as the main process
+    assert all(torch.equal(x["image"]["patches"], y["image"]["patches"]) for x, y in zip(large, one_worker))
+
+
+def test_multiple_patch_sizes_are_unflattened(shards):
+    loader = make_train_loader(config(shards, patch_sizes=(8, 16), seq_lens=(16, 64)), CharTokenizer())
+    specs = loader.schedule(0)
+    assert {s.patch_size for s in specs} == {8, 16}
+    for batch, spec in zip(loader, specs):
+        p = spec.patch_size
+        assert batch["image"]["patches"].shape == (spec.batch_size, spec.seq_len, p, p, 3)
+        check_batch(batch, spec)
+
+
+def test_pipe_urls_and_joined_sources(shards, tmp_path):
+    paths = shard_paths(shards)
+    spec = f"pipe:cat {paths[0]}::{paths[1]}::pipe:cat {paths[2]}"
+    loader = make_train_loader(config(spec, num_samples=40), CharTokenizer())
+    assert len(loader.urls) == 3
+    assert len(list(loader)) == loader.num_batches and loader.stats["corrupt"] == 0
+
+
+def test_shards_split_across_slots(shards):
+    # Within a pass, the reader slots (rank x worker) read disjoint shards.
+    from naflex_accum.data.shards import shard_order
+    urls = shard_paths(shards)
+    first_pass = [[next(shard_order(urls, 0, 0, slot, 3))] for slot in range(3)]
+    assert len({u[0] for u in first_pass}) == 3
+    orders = [shard_order(urls, 0, 0, slot, 3) for slot in range(3)]
+    reads = [[next(o) for _ in range(2)] for o in orders]  # each slot has 2 of the 6 shards per pass
+    assert sorted(u for r in reads for u in r) == sorted(urls)
+
+
+def test_sample_reader_keeps_tar_order(shards):
+    from naflex_accum.data.samples import shard_samples
+    keys = [s.key for s in shard_samples(shard_paths(shards)[0], Corruption())]
+    assert keys == sorted(keys) and len(keys) == 16
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_pil_path_matches_torch_path_layout(flatten):
+    # The pipeline's uint8 path (PIL resize, one normalise per batch) lays patches out exactly as
+    # naflex.image_to_patches does; only the resampling filter's round-off differs.
+    import numpy as np
+    from PIL import Image
+
+    from naflex_accum.naflex import collate_patches, collate_uint8_patches, image_to_patches, pil_to_patches
+
+    rng = np.random.default_rng(0)
+    arrays = [(rng.random((h, w, 3)) * 60 + np.linspace(0, 180, w)[None, :, None]).astype(np.uint8)
+              for h, w in ((40, 150), (96, 96), (200, 50))]
+    ours = collate_uint8_patches([pil_to_patches(Image.fromarray(a), 36, 8, flatten) for a in arrays], 40)
+    ref = collate_patches([image_to_patches(torch.from_numpy(a).permute(2, 0, 1).float() / 255, 36, 8,
+                                            flatten=flatten) for a in arrays], 40)
+    assert ours["patches"].shape == ref["patches"].shape == ((3, 40, 192) if flatten else (3, 40, 8, 8, 3))
+    assert torch.equal(ours["patch_coord"], ref["patch_coord"]) and torch.equal(ours["patch_valid"], ref["patch_valid"])
+    assert (ours["patches"] - ref["patches"]).abs().mean() < 0.05
+    assert (ours["patches"][~ours["patch_valid"]] == 0).all()
+
+
+def test_shuffle_buffer_holds_no_repeats_of_a_small_data_set():
+    import itertools
+    import random
+
+    from naflex_accum.data.samples import RawSample, shuffled
+
+    pulled = []
+
+    def endless():  # 10 samples, resampled forever, as a reader with one tiny shard sees them
+        for _ in itertools.count():
+            for i in range(10):
+                pulled.append(i)
+                yield RawSample(f"k{i}", "a.tar", None, "c")
+
+    stream = shuffled(endless(), 1000, random.Random(0))
+    first = next(stream)
+    assert len(pulled) == 11  # the fill stopped at the first repeat: 10 distinct held, not 1000 copies
+    keys = [first.key] + [s.key for s in itertools.islice(stream, 9)]
+    again = [s.key for s in itertools.islice(shuffled(endless(), 1000, random.Random(0)), 10)]
+    assert keys == again and len(set(keys)) >= 5  # seeded
+    big = shuffled((RawSample(f"k{i}", "a.tar", None, "c") for i in range(50)), 20, random.Random(1))
+    assert sorted(int(s.key[1:]) for s in big) == list(range(50))  # a finite stream: each sample once
