@@ -203,3 +203,12 @@ def test_stop_file_is_cleared_on_start(shards, tmp_path):
     (tmp_path / "run" / "STOP").write_text("")
     result = train(argv(shards, tmp_path, "run", "--epochs", "1", "--resume", "latest"))
     assert not result["preempted"] and result["epoch"] == 1
+
+
+@pytest.mark.parametrize("precision", ["amp", "amp_bf16"])
+def test_mixed_precision_runs_on_cpu(shards, tmp_path, precision):
+    """fp16 autocast with a GradScaler (saved in the checkpoint), and bf16 autocast, run end to end."""
+    result = train(argv(shards, tmp_path, precision, "--epochs", "1", "--precision", precision, "--accum-freq", "2"))
+    ckpt = torch.load(tmp_path / precision / "checkpoints" / "epoch_1.pt", weights_only=False)
+    assert (ckpt["scaler"] is not None) == (precision == "amp")
+    assert result["epoch_losses"] and all(v == v for v in result["epoch_losses"])  # no NaN
