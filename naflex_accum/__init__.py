@@ -3,6 +3,7 @@
 Importing this package changes nothing in open_clip or timm: patching happens
 only when ``install()`` or ``patched()`` is called.
 """
+from .cached_loss import CachedLossStep, cached_loss_step
 from .scales import window_loss_scale
 from .step import AccumulationStep, train_step_eager
 
@@ -10,7 +11,8 @@ __version__ = "0.1.0"
 
 _PATCH_API = ("install", "uninstall", "patched", "is_installed", "PatchError")
 
-__all__ = ["window_loss_scale", "train_step_eager", "AccumulationStep", *_PATCH_API, "__version__"]
+__all__ = ["window_loss_scale", "train_step_eager", "cached_loss_step", "AccumulationStep", "CachedLossStep",
+           *_PATCH_API, "__version__"]
 
 
 def __getattr__(name):

@@ -21,7 +21,7 @@ import threading
 import warnings
 from typing import Callable, Optional
 
-from .step import train_step_eager
+from .modes import get_step
 
 TARGET_MODULE = "open_clip_train.train"
 TARGET_NAME = "_train_step_eager"
@@ -99,11 +99,11 @@ def is_installed() -> bool:
     return module is not None and is_ours(getattr(module, TARGET_NAME, None))
 
 
-def _make_replacement(original) -> Callable:
+def _make_replacement(original, step: Callable) -> Callable:
     def _train_step_eager(task, batch, accum_state, optimizer, scaler, autocast, args):
-        return train_step_eager(task, batch, accum_state, optimizer, scaler, autocast, args)
+        return step(task, batch, accum_state, optimizer, scaler, autocast, args)
 
-    _train_step_eager.__doc__ = train_step_eager.__doc__
+    _train_step_eager.__doc__ = step.__doc__
     setattr(_train_step_eager, OWNER_MARK, True)
     if original is not None:
         _train_step_eager.__wrapped__ = original
@@ -141,12 +141,15 @@ def _announce(message: str) -> None:
         print(f"naflex-accum: {message}", file=sys.stderr, flush=True)
 
 
-def install(force: bool = False) -> Callable:
+def install(force: bool = False, mode: Optional[str] = None) -> Callable:
     """Replace upstream's ``_train_step_eager`` with the fixed step; return the installed function.
 
     A no-op when ours is already there. ``PatchError`` when open_clip does not
     match the contract, unless ``force``, which warns and installs anyway.
+    ``mode``: ``"cached-loss"`` (default: the window loss once) or ``"replay"``
+    (once per microbatch, as upstream); ``None`` reads $NAFLEX_ACCUM_MODE.
     """
+    step = get_step(mode)  # an unknown mode fails before anything is touched
     with _lock:
         module = import_target()
         current = getattr(module, TARGET_NAME, None)
@@ -158,9 +161,9 @@ def install(force: bool = False) -> Callable:
             if not force:
                 raise error
             warnings.warn(f"{error} Installing anyway because force=True.", RuntimeWarning, stacklevel=2)
-        replacement = _make_replacement(current)
+        replacement = _make_replacement(current, step)
         setattr(module, TARGET_NAME, replacement)
-        _announce(f"{TARGET} replaced by naflex_accum.train_step_eager (one loss scale per accumulation "
+        _announce(f"{TARGET} replaced by naflex_accum.{step.__name__} (one loss scale per accumulation "
                   f"window; open_clip_torch {open_clip_version()}).")
         return replacement
 
@@ -182,14 +185,14 @@ def uninstall() -> bool:
 
 
 @contextlib.contextmanager
-def patched(force: bool = False):
+def patched(force: bool = False, mode: Optional[str] = None):
     """``with patched(): ...`` runs the block with the fixed step installed.
 
     On exit it uninstalls only what it installed: a patch that was already in
     place before the block stays.
     """
     was_installed = is_installed()
-    fn = install(force=force)
+    fn = install(force=force, mode=mode)
     try:
         yield fn
     finally:

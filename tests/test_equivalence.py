@@ -9,7 +9,10 @@ import pytest
 from bug_reference import (logit_k_times_step, no_rng_replay_step, per_replay_scale_step,
                            upstream_style_step)
 from naflex_accum.audit import AUDIT_SPLITS, audit_case
+from naflex_accum.cached_loss import cached_loss_step
 from naflex_accum.step import train_step_eager
+
+ACCUM = {"replay": train_step_eager, "cached-loss": cached_loss_step}
 
 MODES = ("none", "linear", "sqrt")
 LOSSES = ("clip", "siglip")
@@ -28,16 +31,34 @@ def assert_exact(r):
 @pytest.mark.parametrize("split", AUDIT_SPLITS, ids=str)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loss", LOSSES)
-def test_full_batch_equivalence(make_task, loss, mode, split):
-    assert_exact(audit_case(train_step_eager, make_task, loss, mode, split))
+@pytest.mark.parametrize("accum", ACCUM)
+def test_full_batch_equivalence(make_task, accum, loss, mode, split):
+    assert_exact(audit_case(ACCUM[accum], make_task, loss, mode, split))
 
 
 @pytest.mark.parametrize("split", AUDIT_SPLITS, ids=str)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loss", LOSSES)
-def test_full_batch_equivalence_stochastic(make_task, loss, mode, split):
+@pytest.mark.parametrize("accum", ACCUM)
+def test_full_batch_equivalence_stochastic(make_task, accum, loss, mode, split):
     """Patch dropout 0.5 and drop path in the image tower, dropout in the text tower."""
-    assert_exact(audit_case(train_step_eager, make_task, loss, mode, split, stochastic=True))
+    assert_exact(audit_case(ACCUM[accum], make_task, loss, mode, split, stochastic=True))
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_cached_loss_evaluates_the_loss_once_per_window(make_task, loss):
+    calls = []
+
+    def counted(loss_name, stochastic):
+        task = make_task(loss_name, stochastic)
+        real = task.compute_accum_loss
+        task.compute_accum_loss = lambda *a: calls.append(1) or real(*a)
+        return task
+    assert_exact(audit_case(cached_loss_step, counted, loss, "linear", (1, 2, 5)))
+    assert len(calls) == 1
+    calls.clear()
+    audit_case(train_step_eager, counted, loss, "linear", (1, 2, 5))
+    assert len(calls) == 3  # replay: once per microbatch, as upstream
 
 
 @pytest.mark.parametrize("split", UNEVEN, ids=str)

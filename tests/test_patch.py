@@ -156,7 +156,7 @@ def test_logs_once_on_rank_zero(stand_in, upstream_train, monkeypatch, caplog):
         install()
         install()
         uninstall()
-    lines = [r for r in caplog.records if "replaced by naflex_accum.train_step_eager" in r.getMessage()]
+    lines = [r for r in caplog.records if "replaced by naflex_accum.cached_loss_step" in r.getMessage()]
     assert len(lines) == 1
 
 
@@ -184,3 +184,37 @@ def test_is_installed_does_not_import_open_clip(monkeypatch):
     monkeypatch.delitem(sys.modules, "open_clip_train.train", raising=False)
     assert is_installed() is False
     assert "open_clip_train.train" not in sys.modules
+
+
+@pytest.fixture
+def step_calls(monkeypatch):
+    """Replace both mode steps by recorders, so a test sees which one the patched function calls."""
+    from naflex_accum import cached_loss, step
+
+    calls = []
+    monkeypatch.setattr(step, "train_step_eager", lambda *a: calls.append("train_step_eager"))
+    monkeypatch.setattr(cached_loss, "cached_loss_step", lambda *a: calls.append("cached_loss_step"))
+    monkeypatch.delenv("NAFLEX_ACCUM_MODE", raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("mode,name", [(None, "cached_loss_step"), ("cached-loss", "cached_loss_step"),
+                                       ("replay", "train_step_eager")])
+def test_install_mode_selects_the_step(stand_in, upstream_train, step_calls, mode, name):
+    """The patched step defaults to the cached-loss mode (exact and faster); install(mode=...) chooses."""
+    with patched(mode=mode):
+        getattr(upstream_train, NAME)(*[None] * 7)
+    assert step_calls == [name]
+
+
+def test_env_var_picks_the_mode_and_bad_modes_fail_first(stand_in, upstream_train, step_calls, monkeypatch):
+    from naflex_accum.errors import UsageError
+
+    monkeypatch.setenv("NAFLEX_ACCUM_MODE", "replay")
+    with patched():
+        getattr(upstream_train, NAME)(*[None] * 7)
+    assert step_calls == ["train_step_eager"]
+    monkeypatch.setenv("NAFLEX_ACCUM_MODE", "fast")
+    with pytest.raises(UsageError, match="NAFLEX_ACCUM_MODE=fast: unknown accumulation mode"):
+        install()
+    assert getattr(upstream_train, NAME) is stand_in

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from naflex_accum import train_step_eager
+from naflex_accum.cached_loss import cached_loss_step
 from naflex_accum.audit import GradProbe, audit_case, compare, full_batch_grads, named_params, random_window
 from naflex_accum.naflex import concat_batches
 
@@ -41,10 +42,21 @@ def counted(make_task):
     return build
 
 
+@pytest.fixture(params=["replay", "cached-loss"], autouse=True)
+def step(request, monkeypatch):
+    """Every contract test runs for both accumulation modes."""
+    fn = {"replay": train_step_eager, "cached-loss": cached_loss_step}[request.param]
+    monkeypatch.setitem(STEP, "fn", fn)
+    return fn
+
+
+STEP = {"fn": train_step_eager}
+
+
 def run_window(task, batches, args, optimizer=None, scaler=None):
     optimizer = optimizer or GradProbe(named_params(task))
     state = ([], {}) if args.accum_freq > 1 else None
-    results = [train_step_eager(task, b, state, optimizer, scaler, nullcontext, args) for b in batches]
+    results = [STEP["fn"](task, b, state, optimizer, scaler, nullcontext, args) for b in batches]
     return results, optimizer
 
 
@@ -161,8 +173,8 @@ def _grad_scaler():
 
 
 @pytest.mark.parametrize("split", ((1, 2), (5, 2, 1)), ids=str)
-def test_grad_scaler_path(make_task, split):
-    r = audit_case(train_step_eager, make_task, "siglip", "linear", split, scaler=_grad_scaler())
+def test_grad_scaler_path(make_task, step, split):
+    r = audit_case(step, make_task, "siglip", "linear", split, scaler=_grad_scaler())
     assert r.passed, r
 
 
@@ -188,7 +200,7 @@ def test_grad_scaler_unscales_before_clipping(make_task):
     assert seen == [pytest.approx(ref_norm, rel=1e-4)]
 
 
-def test_ddp_world_size_one(tmp_path, make_task):
+def test_ddp_world_size_one(tmp_path, make_task, step):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -199,9 +211,9 @@ def test_ddp_world_size_one(tmp_path, make_task):
             task.trainable_module = DDP(task.trainable_module)
             return task
         for split in ((1, 2), (2, 1, 3)):
-            r = audit_case(train_step_eager, ddp_task, "clip", "linear", split)
+            r = audit_case(step, ddp_task, "clip", "linear", split)
             assert r.passed, r
-            r = audit_case(train_step_eager, ddp_task, "siglip", "sqrt", split, stochastic=True)
+            r = audit_case(step, ddp_task, "siglip", "sqrt", split, stochastic=True)
             assert r.passed, r
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """``naflex-accum verify``: exit 0 on our step, non-zero on a buggy one, and it audits what training would use.
 
-Without upstream installed (open_clip 3.3.0) the default audits
-``naflex_accum.train_step_eager`` on the built-in task; with a stand-in of
+Without upstream installed (open_clip 3.3.0) the default audits the trainer's
+default step (``naflex_accum.cached_loss_step``) on the built-in task; with a stand-in of
 upstream's step on ``open_clip_train.train`` it audits that step through the
 module with the patch in effect, and leaves the stand-in in place afterwards.
 """
@@ -34,7 +34,7 @@ def test_verify_passes_on_our_step(upstream_train, capsys):
         pytest.skip("this open_clip has _train_step_eager: verify would audit the patched upstream step")
     code, out, _ = run(capsys)
     assert code == 0, out
-    assert "step: naflex_accum.train_step_eager" in out
+    assert "step: naflex_accum.cached_loss_step" in out
     assert "has no NaFlex training step" in out  # says why it is not upstream's step
     header = next(line for line in out.splitlines() if line.startswith("loss "))
     for column in ("mode", "split", "scale", "tower rel err", "logit_scale", "result"):
@@ -83,7 +83,7 @@ def test_verify_with_a_mismatched_upstream_says_so_and_audits_ours(upstream_trai
     code, out, _ = run(capsys)
     assert code == 0
     assert "cannot be patched here" in out and "would refuse to run" in out
-    assert "step: naflex_accum.train_step_eager" in out
+    assert "step: naflex_accum.cached_loss_step" in out
     assert getattr(upstream_train, NAME) is renamed_param_step
 
 

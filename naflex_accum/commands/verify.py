@@ -5,8 +5,8 @@ open_clip main installed and matching the contract, that is
 ``open_clip_train.train._train_step_eager`` looked up through its module at
 call time (as ``train_one_epoch`` does) while ``naflex_accum.install()`` is in
 effect, on a tiny task built by upstream's own factory; the patch is taken out
-again afterwards. Otherwise it is ``naflex_accum.train_step_eager`` on the
-built-in tiny task, which ``naflex-accum train`` uses. ``--step`` audits any
+again afterwards. Otherwise it is the step of ``naflex-accum train`` (the
+default accumulation mode, or ``--accum-mode``) on the built-in tiny task. ``--step`` audits any
 other function of the same signature, unpatched. Exit 0 only if every row passes.
 """
 from ..errors import OneLineParser
@@ -17,6 +17,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List
 
+from ..modes import DEFAULT_MODE, ENV_VAR
+from ..modes import MODES as MODES_ACCUM
 from .table import load_step
 
 MODES = ("none", "linear", "sqrt")
@@ -73,8 +75,10 @@ def _through_module(module_name: str, attr: str) -> Callable:
     return step
 
 
-def choose_target(step_spec, loss: str) -> Target:
-    from .. import train_step_eager
+def choose_target(step_spec, loss: str, mode=None) -> Target:
+    from functools import partial
+
+    from ..modes import get_step
     from ..patch import TARGET, TARGET_MODULE, TARGET_NAME, patched
 
     if step_spec is not None:
@@ -85,8 +89,9 @@ def choose_target(step_spec, loss: str) -> Target:
     if problem is None:
         make_task, task_label = _task_for(loss)
         return Target(_through_module(TARGET_MODULE, TARGET_NAME),
-                      f"{TARGET} with naflex_accum.install() in effect, called through its module "
-                      f"as train_one_epoch does", make_task, task_label, context=patched)
+                      f"{TARGET} with naflex_accum.install() in effect ({get_step(mode).__name__}), called "
+                      f"through its module as train_one_epoch does", make_task, task_label,
+                      context=partial(patched, mode=mode))
     make_task, task_label = _builtin_task(loss)
     if problem.missing:
         note = (f"open_clip_torch {problem.version} has no NaFlex training step ({TARGET} is missing), "
@@ -94,7 +99,8 @@ def choose_target(step_spec, loss: str) -> Target:
     else:
         note = (f"{TARGET} cannot be patched here (found {problem.found}), so `naflex-accum openclip` "
                 f"would refuse to run; auditing the step of `naflex-accum train` instead.")
-    return Target(train_step_eager, "naflex_accum.train_step_eager", make_task, task_label, notes=[note])
+    step = get_step(mode)
+    return Target(step, f"naflex_accum.{step.__name__}", make_task, task_label, notes=[note])
 
 
 def run_audit(target: Target, loss: str):
@@ -150,6 +156,9 @@ def main(argv, prog="naflex-accum verify") -> int:
     parser.add_argument("--step", metavar="MODULE:FUNCTION", default=None,
                         help="audit this function (upstream's signature) instead, unpatched; e.g. "
                              "open_clip_train.train:_train_step_eager shows upstream's bug")
+    parser.add_argument("--accum-mode", choices=MODES_ACCUM, default=None,
+                        help=f"accumulation mode to audit (default: ${ENV_VAR}, else {DEFAULT_MODE}, what "
+                             f"training uses)")
     args = parser.parse_args(argv)
 
     import torch
@@ -157,7 +166,7 @@ def main(argv, prog="naflex-accum verify") -> int:
     from ..patch import open_clip_version
 
     torch.set_num_threads(1)
-    target = choose_target(args.step, args.loss)
+    target = choose_target(args.step, args.loss, args.accum_mode)
     start = time.time()
     results = run_audit(target, args.loss)
     render = render_json if args.json else render_text

@@ -86,11 +86,8 @@ def build_data(args, world, model):
 
 
 def select_step(args):
-    from ..step import train_step_eager
-    if args.accum_mode == "cached-loss":
-        from ..cached_loss import cached_loss_step
-        return cached_loss_step
-    return train_step_eager
+    from ..modes import get_step
+    return get_step(args.accum_mode)
 
 
 def restore(state: TrainState, model, path, world) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..errors import OneLineParser, UsageError
+from ..modes import DEFAULT_MODE
+from ..modes import MODES as MODES_ACCUM
 from ..scales import MODES, check_options
 
 RUN_CONFIG_DIR = Path(__file__).resolve().parent.parent / "run_configs"
@@ -40,8 +42,9 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     o = p.add_argument_group("optimisation")
     o.add_argument("--batch-size", type=int, default=64, help="reference batch size for --naflex-loss-scale")
     o.add_argument("--accum-freq", type=int, default=1, help="microbatches per optimizer step")
-    o.add_argument("--accum-mode", choices=("replay", "cached-loss"), default="replay",
-                   help="replay: recompute the window loss per microbatch; cached-loss: once per window")
+    o.add_argument("--accum-mode", choices=MODES_ACCUM, default=DEFAULT_MODE,
+                   help="cached-loss: the window loss once per window (GradCache); replay: once per microbatch, "
+                        "as upstream; both exact")
     o.add_argument("--naflex-loss-scale", choices=MODES, default="none")
     o.add_argument("--epochs", type=int, default=1)
     o.add_argument("--lr", type=float, default=5e-4)

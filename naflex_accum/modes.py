@@ -1,0 +1,29 @@
+"""The accumulation modes and which one runs by default.
+
+Invariant: every mode here is exact (the equivalence tests run over all of
+them), so the default can be the fastest: ``cached-loss`` computes the window
+loss once; ``replay`` recomputes it per microbatch, as upstream does, and is
+kept for comparison and for losses whose cached evaluation one would rather
+not trust. ``NAFLEX_ACCUM_MODE`` overrides the default for the patched
+upstream step, whose command line is upstream's.
+"""
+import os
+
+from .errors import UsageError
+
+DEFAULT_MODE = "cached-loss"
+MODES = ("cached-loss", "replay")
+ENV_VAR = "NAFLEX_ACCUM_MODE"
+
+
+def get_step(mode: str = None):
+    """The step function of ``mode`` (``None``: $NAFLEX_ACCUM_MODE, else the default)."""
+    mode = mode or os.environ.get(ENV_VAR) or DEFAULT_MODE
+    if mode == "replay":
+        from .step import train_step_eager
+        return train_step_eager
+    if mode == "cached-loss":
+        from .cached_loss import cached_loss_step
+        return cached_loss_step
+    source = f"{ENV_VAR}={mode}" if mode == os.environ.get(ENV_VAR) else f"--accum-mode {mode}"
+    raise UsageError(f"{source}: unknown accumulation mode; valid modes are {', '.join(MODES)}")
