@@ -13,7 +13,7 @@ from typing import Dict, List
 
 import torch
 
-from .step import LOGIT_KEYS, AccumulationStep, Microbatch, total_loss
+from .step import LOGIT_KEYS, AccumulationStep, Microbatch, detach_values, total_loss
 from .sync import grad_sync
 
 LOGIT_VALUES_KEY = "_naflex_accum_logit_values"
@@ -62,7 +62,7 @@ class CachedLossStep(AccumulationStep):
                 surrogate = self.surrogate(model_out, feature_grads, offset, mb, logit_grads if last else {})
                 surrogate.backward()
             offset += mb.size
-        return {k: v.detach() for k, v in losses.items()}, {k: v.detach() for k, v in report.items()}
+        return detach_values(losses), detach_values(report)
 
     @staticmethod
     def surrogate(model_out: Dict, feature_grads: Dict, offset: int, mb: Microbatch, logit_grads: Dict):

@@ -79,7 +79,7 @@ def finish_step(task, optimizer, scaler, args) -> None:
     task.clamp_logit_scale()
 
 
-def _detached(d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def detach_values(d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in d.items()}
 
 
@@ -187,7 +187,7 @@ class AccumulationStep:
                 del inputs, inputs_no_accum, model_out
                 scale = self.replay_scale(window, j)
                 backward(loss * scale if scale != 1.0 else loss, scaler)
-        return _detached(losses), _detached(report)
+        return detach_values(losses), detach_values(report)
 
     def single_step(self, task, batch, accum_state, optimizer, scaler, autocast, args):
         """accum_freq == 1: one forward/backward, scaled by this batch's own scale."""
@@ -201,7 +201,7 @@ class AccumulationStep:
             loss = losses["loss"]
         backward(loss * scale if scale != 1.0 else loss, scaler)
         finish_step(task, optimizer, scaler, args)
-        return _detached(losses), _detached(report), size, accum_state
+        return detach_values(losses), detach_values(report), size, accum_state
 
 
 _DEFAULT_STEP = AccumulationStep()

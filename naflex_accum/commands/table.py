@@ -7,8 +7,8 @@ import json
 import time
 
 from ..errors import OneLineParser, UsageError
+from ..scales import MODES
 
-MODES = ("none", "linear", "sqrt")
 
 
 def load_step(spec: str):

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Callable, List
 
 from ..modes import DEFAULT_MODE, ENV_VAR
+from ..scales import MODES
 from ..modes import MODES as MODES_ACCUM
 from .table import load_step
 
-MODES = ("none", "linear", "sqrt")
 # Uneven on purpose: an even split hides the per-replay-scale bug.
 VERIFY_SPLITS = ((1, 2), (2, 1), (3, 5), (5, 2, 1))
 REFERENCE_BATCH_SIZE = 4

@@ -56,6 +56,14 @@ class World:
         dist.all_gather_object(out, obj)
         return out
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (one all-reduce; the flag itself in one process)."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def all_equal(self, values) -> bool:
         """Whether a small list of ints is the same on every rank (one all-reduce of max and -min)."""
         if not self.distributed:

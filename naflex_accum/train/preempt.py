@@ -11,9 +11,6 @@ import signal
 import threading
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 
 class Preempted(Exception):
     """Raised by the loop after the step at which every rank agreed to stop."""
@@ -41,10 +38,4 @@ class StopRequest:
             self.stop_file.unlink(missing_ok=True)
 
     def requested(self) -> bool:
-        local = self._flag or self.stop_file.exists()
-        if not self.world.distributed:
-            return local
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([1 if local else 0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self.world.any(self._flag or self.stop_file.exists())
