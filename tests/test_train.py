@@ -212,3 +212,10 @@ def test_mixed_precision_runs_on_cpu(shards, tmp_path, precision):
     ckpt = torch.load(tmp_path / precision / "checkpoints" / "epoch_1.pt", weights_only=False)
     assert (ckpt["scaler"] is not None) == (precision == "amp")
     assert result["epoch_losses"] and all(v == v for v in result["epoch_losses"])  # no NaN
+
+
+def test_several_patch_sizes_train(shards, tmp_path):
+    """--naflex-patch-sizes 16 32: unflattened patches, the patch embedding resampled per size (FlexiViT)."""
+    result = train(argv(shards, tmp_path, "ps", "--epochs", "1", "--naflex-patch-sizes", "16", "32",
+                        "--naflex-seq-lens", "16", "--accum-freq", "2"))
+    assert result["global_step"] > 0 and all(v == v for v in result["epoch_losses"])
