@@ -8,7 +8,7 @@ including corrupt samples reported by workers, which are also logged (the
 first ``LOG_LIMIT`` distinct ones of an epoch individually, then a summary).
 """
 import logging
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -71,7 +71,12 @@ def _iterate(dataset, workers: int, pin_memory: bool) -> Iterator:
 
 
 class TrainLoader:
-    """One rank's training batches; ``set_epoch`` picks the epoch, iterating yields its batches."""
+    """One rank's training batches; ``set_epoch`` picks the epoch (and the first batch), iterating yields its batches.
+
+    ``iter_meta()`` yields ``(batch, meta)`` instead, ``meta`` holding the batch's
+    ``index`` in the epoch and its ``samples`` and ``image_tokens`` counted on the
+    CPU, so a training loop needs no device sync to count them.
+    """
 
     def __init__(self, cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False):
         self.cfg, self.tokenizer, self.pin_memory = cfg, tokenizer, pin_memory
@@ -95,14 +100,22 @@ class TrainLoader:
         samples, tokens = self._plan.totals(self.num_batches)
         self.num_samples = samples * cfg.world_size        # global, every epoch alike (stratified schedule)
         self.num_token_slots = tokens * cfg.world_size     # global batch_size * seq_len summed over the epoch
-        self.epoch = 0
+        self.epoch, self.start_batch = 0, 0
         self.stats = _Counter("--train-data", 0).stats
 
     def __len__(self) -> int:
         return self.num_batches
 
-    def set_epoch(self, epoch: int):
+    def set_epoch(self, epoch: int, start_batch: int = 0):
+        """Iterate epoch ``epoch`` from its batch ``start_batch`` on (a resume inside the epoch).
+
+        The batches yielded are exactly those the whole epoch yields from that index on.
+        """
         self.epoch = _check_int(epoch, "epoch", 0)
+        start_batch = _check_int(start_batch, "start_batch", 0)
+        if start_batch > self.num_batches:
+            raise UsageError(f"cannot start epoch {epoch} at batch {start_batch}: it has {self.num_batches} batches")
+        self.start_batch = start_batch
 
     def schedule(self, epoch: Optional[int] = None) -> List[BatchSpec]:
         return self._plan.epoch(self.epoch if epoch is None else epoch, self.num_batches)
@@ -113,6 +126,9 @@ class TrainLoader:
                            cfg.workers, cfg.shuffle_buffer, self.tokenizer)
 
     def __iter__(self) -> Iterator[Dict]:
+        return (batch for batch, _ in self.iter_meta())
+
+    def iter_meta(self) -> Iterator[Tuple[Dict, Dict]]:
         counter = _Counter(f"--train-data (epoch {self.epoch}, rank {self.cfg.rank})", self.epoch)
         self.stats = counter.stats
         source = _iterate(self.stream(), self.cfg.workers, self.pin_memory)
@@ -127,7 +143,8 @@ class TrainLoader:
                     batch, meta = pending.pop(expected)
                     counter.add(meta, batch)
                     expected += 1
-                    yield batch
+                    if meta["index"] >= self.start_batch:
+                        yield batch, meta
         finally:
             del source
         if expected != self.num_batches or pending:

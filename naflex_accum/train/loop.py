@@ -78,27 +78,26 @@ def check_sizes_agree(sizes, world) -> None:
 
 
 def _start_epoch(state, loader, args, world) -> int:
-    """Seed, position the data, restore a mid-epoch random state; returns the number of batches to skip."""
+    """Seed, position the data, restore a mid-epoch random state; returns the index of the first batch."""
+    start = state.step_in_epoch * args.accum_freq
     torch.manual_seed(epoch_seed(args.seed, state.epoch, world.rank))
-    loader.set_epoch(state.epoch)
+    loader.set_epoch(state.epoch, start_batch=start)
+    if state.rng_state is not None:
+        rng_restore(state.rng_state)
     state.task.train()
-    return state.step_in_epoch * args.accum_freq
+    return start
 
 
 def train_one_epoch(state: TrainState, loader, args, world, device, autocast, step_fn, run_logger,
                     stop=None) -> None:
     task, k = state.task, args.accum_freq
     num_steps = loader.num_batches // k
-    skip = _start_epoch(state, loader, args, world)
+    start = _start_epoch(state, loader, args, world)
     run_logger.start_epoch(state.epoch, num_steps - state.step_in_epoch)
     accum_state = ([], {}) if k > 1 else None
     sizes, tokens, data_time, samples_in_epoch = [], [], 0.0, 0
     end = time.time()
-    for i, batch in enumerate(loader):
-        if i < skip:
-            if i + 1 == skip and state.rng_state is not None:
-                rng_restore(state.rng_state)
-            continue
+    for i, batch in enumerate(loader, start=start):
         if i >= num_steps * k:
             break  # a trailing partial window would never step
         step_in_epoch = i // k
