@@ -16,14 +16,20 @@ MODES = ("cached-loss", "replay")
 ENV_VAR = "NAFLEX_ACCUM_MODE"
 
 
+def resolve_mode(mode: str = None) -> str:
+    """The mode a run uses: ``mode``, else $NAFLEX_ACCUM_MODE, else the default; unknown modes are refused."""
+    mode = mode or os.environ.get(ENV_VAR) or DEFAULT_MODE
+    if mode not in MODES:
+        source = f"{ENV_VAR}={mode}" if mode == os.environ.get(ENV_VAR) else f"--accum-mode {mode}"
+        raise UsageError(f"{source}: unknown accumulation mode; valid modes are {', '.join(MODES)}")
+    return mode
+
+
 def get_step(mode: str = None):
     """The step function of ``mode`` (``None``: $NAFLEX_ACCUM_MODE, else the default)."""
-    mode = mode or os.environ.get(ENV_VAR) or DEFAULT_MODE
+    mode = resolve_mode(mode)
     if mode == "replay":
         from .step import train_step_eager
         return train_step_eager
-    if mode == "cached-loss":
-        from .cached_loss import cached_loss_step
-        return cached_loss_step
-    source = f"{ENV_VAR}={mode}" if mode == os.environ.get(ENV_VAR) else f"--accum-mode {mode}"
-    raise UsageError(f"{source}: unknown accumulation mode; valid modes are {', '.join(MODES)}")
+    from .cached_loss import cached_loss_step
+    return cached_loss_step
