@@ -64,7 +64,14 @@ STOCHASTIC_NOTE = {
     "siglip": "patch dropout 0.5 and drop path 0.1 in the image tower",
     "coca": "patch dropout 0.5 in the image tower",
 }
-DESCRIPTION = ("upstream open_clip {cls} around a tiny random {kind} model from open_clip.create_model{how}")
+DESCRIPTION = {
+    "clip": "upstream open_clip CLIPTask around a tiny random NaFlex model from open_clip.create_model "
+            "(force_naflex_vision)",
+    "siglip": "upstream open_clip SigLIPTask around a tiny random NaFlex model from open_clip.create_model "
+              "(force_naflex_vision)",
+    "coca": "upstream open_clip CoCaTask around a tiny random CoCa (dense 32 px images) from "
+            "open_clip.create_model",
+}
 
 
 def available() -> bool:
@@ -165,9 +172,7 @@ def task_factory(loss: str, stochastic: bool):
 
 
 def describe(loss: str) -> str:
-    how = "" if loss == "coca" else " (force_naflex_vision)"
-    kind = "CoCa, dense 32 px images," if loss == "coca" else "NaFlex"
-    return DESCRIPTION.format(cls=TASK_CLASSES[loss], kind=kind, how=how)
+    return DESCRIPTION[loss]
 
 
 def random_dense_window(split: Sequence[int], seed: int = 0) -> List[Dict]:
