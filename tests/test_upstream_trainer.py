@@ -11,14 +11,10 @@ import pytest
 import torch
 
 import naflex_accum
-from upstream_real import DETERMINISTIC, JOBS, run_python, tail, upstream_env
+from upstream_real import DETERMINISTIC, JOBS, WAITS_FOR_STEP_FIX, run_python, tail, upstream_env
 
 INSTALLED = (f"naflex-accum {naflex_accum.__version__}: open_clip_train.train._train_step_eager replaced by "
              f"naflex_accum.")
-# Upstream's CoCaTask changes the inputs dict the cached-loss step differentiates; the
-# step engineer's fix (branch h-step) makes the default mode train it.
-WAITS_FOR_STEP_FIX = pytest.mark.xfail(
-    strict=True, reason="cached-loss step on upstream's CoCaTask: waits for the step fix")
 
 
 def _install_lines(text: str):

@@ -10,17 +10,13 @@ for NaFlex windows a loss scale per replay.
 import pytest
 
 from naflex_accum.modes import MODES
-from upstream_real import JOBS, last_json, run_python
+from upstream_real import JOBS, WAITS_FOR_STEP_FIX, last_json, run_python
 
 LOSSES = ("clip", "siglip", "coca")
 TASKS = {"clip": "CLIPTask", "siglip": "SigLIPTask", "coca": "CoCaTask"}
 UPSTREAM_STEP = "open_clip_train.train:_train_step_eager"
 UPSTREAM_VERSION = "4.2.0.dev0"
 ROWS = 24  # 3 loss-scale modes x 4 splits x with/without stochastic layers
-# The cached-loss step differentiates the inputs dict that CoCaTask.compute_accum_loss has
-# changed (labels added, logits sliced); the fix is the step engineer's (branch h-step).
-WAITS_FOR_STEP_FIX = pytest.mark.xfail(
-    strict=True, reason="cached-loss step on upstream's CoCaTask: waits for the step fix")
 
 
 @pytest.fixture(scope="module")
