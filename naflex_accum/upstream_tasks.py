@@ -58,6 +58,8 @@ def _tiny_coca(vocab_size: int) -> Dict:
         "multimodal_cfg": {**text, "attn_pooler_heads": 2},
         "custom_text": True,
     }
+
+
 COCA_STOCHASTIC = {"patch_dropout": 0.5}
 STOCHASTIC_NOTE = {
     "clip": "patch dropout 0.5 and drop path 0.1 in the image tower",

@@ -24,9 +24,8 @@ from ..errors import OneLineParser, UsageError
 from ..modes import DEFAULT_MODE, ENV_VAR
 from ..modes import MODES as MODES_ACCUM
 from ..scales import MODES
+from ..upstream_tasks import LOSSES
 from .table import load_step
-
-LOSSES = ("clip", "siglip", "coca")
 
 # Uneven on purpose: an even split hides the per-replay-scale bug.
 VERIFY_SPLITS = ((1, 2), (2, 1), (3, 5), (5, 2, 1))
@@ -174,7 +173,6 @@ def _span(results, key: str) -> str:
 
 def render_text(target: Target, loss: str, version: str, results, seconds: float) -> str:
     from ..audit import format_table
-
     from ..upstream_tasks import STOCHASTIC_NOTE
 
     passed = sum(r.passed for r in results)
