@@ -7,10 +7,14 @@
 Invariant: ARGS reach ``open_clip_train.main.main`` unchanged, and only once
 the patch is in place in this process (every torchrun rank installs its own);
 an open_clip that lacks the step being replaced (3.3.0 from PyPI has no NaFlex
-training) stops here with exit 2 and one line, before any work starts.
+training) stops here with exit 2 and one line, before any work starts. The run
+folder says that the fix ran and in which mode: ``params.txt`` holds a
+``naflex_accum`` entry and ``out.log`` a line from ``naflex_accum.openclip``,
+whatever level logging is set to.
 """
 import contextlib
 import importlib
+import logging
 import sys
 from typing import List, Optional, Sequence
 
@@ -18,6 +22,9 @@ from .errors import UsageError
 
 PROG = "naflex_accum.openclip"
 UPSTREAM_MAIN = "open_clip_train.main"
+RECORD_KEY = "naflex_accum"  # the params.txt entry (an attribute of upstream's parsed args)
+
+_log = logging.getLogger("naflex_accum.openclip")  # not __main__ under python -m
 
 
 def _refusal(exc) -> str:
@@ -38,25 +45,85 @@ def _exit_code(result) -> int:
     return 0 if result is None or result == 0 else 1
 
 
-def _upstream_main():
+def _upstream_main_module():
     try:
-        return importlib.import_module(UPSTREAM_MAIN).main
+        return importlib.import_module(UPSTREAM_MAIN)
     except ImportError as exc:
         raise UsageError(
             f"cannot import {UPSTREAM_MAIN} ({exc}); install open_clip with its training extras "
             f"(pip install '.[training]' in its git checkout).") from None
 
 
+def _log_unfiltered(message: str) -> None:
+    """Hand one INFO record to every root handler (upstream's out.log and console), whatever the levels.
+
+    A run's provenance must not depend on the log level: a logger or handler
+    set to WARNING would drop an ordinary INFO record.
+    """
+    from .patch import _rank
+
+    if _rank() != 0:
+        return
+    record = _log.makeRecord(_log.name, logging.INFO, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        handler.handle(record)
+
+
+@contextlib.contextmanager
+def _recorded_in_run_folder(module, mode: str, line: str):
+    """While upstream's ``main`` runs, make its run folder record the fix.
+
+    Upstream's ``main`` parses its args, opens ``out.log`` (``setup_logging``,
+    after the run folder exists) and writes ``params.txt`` from ``vars(args)``,
+    looking both functions up in its module at call time. Wrapping them for the
+    run adds ``args.naflex_accum`` and one ``out.log`` line right after logging
+    is set up; an upstream without them runs unchanged (the install line still
+    goes to stderr). Each is put back afterwards while it is still ours.
+    """
+    from . import __version__
+
+    def recorded_args(parse_args):
+        def parse_args_recorded(*args, **kwargs):
+            parsed = parse_args(*args, **kwargs)
+            setattr(parsed, RECORD_KEY, f"{mode} (naflex-accum {__version__})")
+            return parsed
+        return parse_args_recorded
+
+    def logged(setup_logging):
+        def setup_logging_recorded(*args, **kwargs):
+            result = setup_logging(*args, **kwargs)
+            _log_unfiltered(f"naflex-accum {__version__}: {line}")
+            return result
+        return setup_logging_recorded
+
+    swapped = {}
+    for name, wrap in (("parse_args", recorded_args), ("setup_logging", logged)):
+        original = getattr(module, name, None)
+        if callable(original):
+            swapped[name] = (original, wrap(original))
+            setattr(module, name, swapped[name][1])
+    try:
+        yield
+    finally:
+        for name, (original, wrapper) in swapped.items():
+            if getattr(module, name, None) is wrapper:
+                setattr(module, name, original)
+
+
 def run(argv: Sequence[str]) -> int:
     """Install the patch, then hand ``argv`` to upstream's ``main``; ``UsageError`` if it cannot start."""
-    from .patch import PatchError, patched
+    from .modes import resolve_mode
+    from .patch import PatchError, describe, patched
 
+    mode = resolve_mode()  # $NAFLEX_ACCUM_MODE, else the default; a bad value stops here
     with contextlib.ExitStack() as stack:
         try:
-            stack.enter_context(patched())
+            stack.enter_context(patched(mode=mode))
         except PatchError as exc:
             raise UsageError(_refusal(exc)) from None
-        return _exit_code(_upstream_main()(list(argv)))
+        module = _upstream_main_module()
+        stack.enter_context(_recorded_in_run_folder(module, mode, describe(mode)))
+        return _exit_code(module.main(list(argv)))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -21,7 +21,7 @@ import threading
 import warnings
 from typing import Callable, Optional
 
-from .modes import get_step
+from .modes import get_step, resolve_mode
 
 TARGET_MODULE = "open_clip_train.train"
 TARGET_NAME = "_train_step_eager"
@@ -51,16 +51,23 @@ class PatchError(RuntimeError):
 
 
 def open_clip_version() -> str:
-    """The installed open_clip_torch version, for messages; never raises."""
-    try:
-        from importlib.metadata import version
-        return version("open_clip_torch")
-    except Exception:  # not installed as a distribution (a source tree on sys.path)
+    """The version of the open_clip in use, for messages; never raises.
+
+    The imported package's own version comes first: a source tree put ahead
+    on ``sys.path`` (upstream main's ``src``) shadows the installed
+    distribution, whose metadata would name the wrong one.
+    """
+    if "open_clip" in sys.modules:
         try:
             from open_clip.version import __version__
             return __version__
         except Exception:
-            return "(not installed)"
+            pass
+    try:
+        from importlib.metadata import version
+        return version("open_clip_torch")
+    except Exception:  # not installed as a distribution
+        return "(not installed)"
 
 
 def contract_problem(fn) -> Optional[str]:
@@ -128,17 +135,23 @@ def _announce(message: str) -> None:
     """Say ``message`` once per process, on rank 0 only.
 
     Launchers install before they configure logging (upstream's main adds its
-    handler after parsing args), so an unconfigured process gets stderr instead
-    of a record that would be dropped.
+    handler after parsing args), and a process may log at WARNING only, so
+    wherever an INFO record would be dropped the line goes to stderr instead.
     """
     global _announced
     if _announced or _rank() != 0:
         return
     _announced = True
-    if _log.hasHandlers():
+    if _log.hasHandlers() and _log.isEnabledFor(logging.INFO):
         _log.info(message)
     else:
         print(f"naflex-accum: {message}", file=sys.stderr, flush=True)
+
+
+def describe(mode: Optional[str] = None) -> str:
+    """What ``install(mode=mode)`` puts in place, in one line (for logs and run records)."""
+    return (f"{TARGET} replaced by naflex_accum.{get_step(mode).__name__} (accumulation mode "
+            f"{resolve_mode(mode)}: one loss scale per accumulation window; open_clip_torch {open_clip_version()})")
 
 
 def install(force: bool = False, mode: Optional[str] = None) -> Callable:
@@ -163,8 +176,7 @@ def install(force: bool = False, mode: Optional[str] = None) -> Callable:
             warnings.warn(f"{error} Installing anyway because force=True.", RuntimeWarning, stacklevel=2)
         replacement = _make_replacement(current, step)
         setattr(module, TARGET_NAME, replacement)
-        _announce(f"{TARGET} replaced by naflex_accum.{step.__name__} (one loss scale per accumulation "
-                  f"window; open_clip_torch {open_clip_version()}).")
+        _announce(f"{describe(mode)}.")
         return replacement
 
 

@@ -1,11 +1,14 @@
-"""Tiny random NaFlex CLIP/SigLIP tasks built by upstream open_clip main's own factory and task classes.
+"""Tiny random CLIP, SigLIP and CoCa tasks built by upstream open_clip main's own factory and task classes.
 
-Invariant: the model comes from upstream's ``open_clip.create_model`` with
-``force_naflex_vision=True``, as its trainer builds one under ``--use-naflex``,
-and the task is upstream's ``CLIPTask``/``SigLIPTask``, so ``naflex-accum
-verify`` audits a step on the objects that upstream training hands it. The
-same seed gives the same weights on every call. Nothing is built or imported
-until called; open_clip 3.3.0 (no ``open_clip.task``) is reported unavailable.
+Invariant: the model comes from upstream's ``open_clip.create_model``, as its
+trainer builds one (CLIP and SigLIP with ``force_naflex_vision=True``, as under
+``--use-naflex``), and the task is upstream's ``CLIPTask``/``SigLIPTask``/
+``CoCaTask``, so ``naflex-accum verify`` audits a step on the objects that
+upstream training hands it. CoCa takes dense images: upstream's CoCa needs the
+image tower's tokens (attentional pooling), which its NaFlex conversion refuses,
+so CoCa windows are ``[B, 3, H, W]`` images. The same seed gives the same
+weights on every call. Nothing is built or imported until called; open_clip
+3.3.0 (no ``open_clip.task``) is reported unavailable.
 """
 import contextlib
 import copy
@@ -14,6 +17,10 @@ import logging
 import math
 import os
 import tempfile
+from typing import Dict, List, Sequence
+
+LOSSES = ("clip", "siglip", "coca")
+TASK_CLASSES = {"clip": "CLIPTask", "siglip": "SigLIPTask", "coca": "CoCaTask"}
 
 # A timm NaFlexVit shrunk through timm_model_kwargs (upstream passes them on to
 # timm), with a text tower small enough for a CPU audit in seconds.
@@ -29,8 +36,44 @@ TINY_CONFIG = {
     "text_cfg": {"context_length": 32, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
 }
 STOCHASTIC = {"patch_dropout": 0.5, "timm_drop_path": 0.1}
-DESCRIPTION = ("upstream open_clip {cls} around a tiny random NaFlex model from open_clip.create_model "
-               "(force_naflex_vision)")
+
+# Upstream's CoCa layout (coca_ViT-B-32: attentional pooling, image and text
+# tokens, a multimodal decoder) at width 32, depth 2, 32 px images of 2x2 patches.
+# The audit draws its tokens from a 1,024-word vocabulary (the caption loss's
+# cost grows with it); a trainer run needs the tokenizer's 49,408.
+COCA_CONTEXT_LENGTH = 16
+COCA_IMAGE_SIZE = 32
+AUDIT_VOCAB_SIZE = 1024
+TOKENIZER_VOCAB_SIZE = 49408
+
+
+def _tiny_coca(vocab_size: int) -> Dict:
+    text = {"context_length": COCA_CONTEXT_LENGTH, "vocab_size": vocab_size, "width": 32, "heads": 2, "layers": 2}
+    return {
+        "embed_dim": 32,
+        "vision_cfg": {"image_size": COCA_IMAGE_SIZE, "layers": 2, "width": 32, "head_width": 16,
+                       "patch_size": 16, "attentional_pool": True, "attn_pooler_queries": 4,
+                       "attn_pooler_heads": 2, "output_tokens": True},
+        "text_cfg": {**text, "embed_cls": True, "output_tokens": True},
+        "multimodal_cfg": {**text, "attn_pooler_heads": 2},
+        "custom_text": True,
+    }
+
+
+COCA_STOCHASTIC = {"patch_dropout": 0.5}
+STOCHASTIC_NOTE = {
+    "clip": "patch dropout 0.5 and drop path 0.1 in the image tower",
+    "siglip": "patch dropout 0.5 and drop path 0.1 in the image tower",
+    "coca": "patch dropout 0.5 in the image tower",
+}
+DESCRIPTION = {
+    "clip": "upstream open_clip CLIPTask around a tiny random NaFlex model from open_clip.create_model "
+            "(force_naflex_vision)",
+    "siglip": "upstream open_clip SigLIPTask around a tiny random NaFlex model from open_clip.create_model "
+              "(force_naflex_vision)",
+    "coca": "upstream open_clip CoCaTask around a tiny random CoCa (dense 32 px images) from "
+            "open_clip.create_model",
+}
 
 
 def available() -> bool:
@@ -39,7 +82,7 @@ def available() -> bool:
         import open_clip.task as tasks
     except ImportError:
         return False
-    return hasattr(tasks, "CLIPTask") and hasattr(tasks, "SigLIPTask")
+    return all(hasattr(tasks, name) for name in TASK_CLASSES.values())
 
 
 @contextlib.contextmanager
@@ -54,31 +97,100 @@ def _quiet(logger_name: str):
         logger.setLevel(level)
 
 
-def create_model(siglip: bool, stochastic: bool):
-    import open_clip
-
+def model_config(loss: str, stochastic: bool = False, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Dict:
+    """The tiny model's open_clip config (``model_cfg``) for ``loss``; ``vocab_size`` is CoCa's."""
+    if loss == "coca":
+        cfg = _tiny_coca(vocab_size)
+        if stochastic:
+            cfg["vision_cfg"].update(COCA_STOCHASTIC)
+        return cfg
     cfg = copy.deepcopy(TINY_CONFIG)
     if stochastic:
         cfg["vision_cfg"].update(STOCHASTIC)
+    return cfg
+
+
+def write_model_dir(folder: str, loss: str, stochastic: bool = False,
+                    vocab_size: int = TOKENIZER_VOCAB_SIZE, weights: bool = False) -> str:
+    """Write ``folder/open_clip_config.json`` for ``loss``; return the ``local-dir:`` model name.
+
+    Upstream's trainer takes the name as ``--model`` (it picks its CoCa task
+    when the name contains "coca", so name a CoCa folder accordingly) and loads
+    weights found in the folder: ``weights`` saves the seeded tiny model's, which
+    a CoCa run needs (see ``_fill_decoder_projection``).
+    """
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "open_clip_config.json"), "w") as f:
+        json.dump({"model_cfg": model_config(loss, stochastic, vocab_size)}, f)
+    name = f"local-dir:{folder}"
+    if weights:
+        import torch
+
+        torch.manual_seed(0)
+        torch.save(_build(name, loss).state_dict(), os.path.join(folder, "open_clip_pytorch_model.bin"))
+    return name
+
+
+def _fill_decoder_projection(model) -> None:
+    """Initialise CoCa's ``text_decoder.text_projection`` as upstream's ``init_parameters`` means to.
+
+    Upstream's CoCa creates it with ``torch.empty`` and never calls the method
+    that would fill it, so a fresh CoCa's caption logits start from whatever
+    memory held (NaN at times): no audit can be reproducible on that.
+    """
+    import torch
+
+    projection = model.text_decoder.text_projection
+    with torch.no_grad():
+        torch.nn.init.normal_(projection, std=projection.shape[0] ** -0.5)
+
+
+def _build(name: str, loss: str, **extra):
+    import open_clip
+
+    with _quiet("open_clip"):
+        model = open_clip.create_model(name, output_dict=True, device="cpu", **extra)
+    if loss == "coca":
+        _fill_decoder_projection(model)
+    return model
+
+
+def create_model(loss: str, stochastic: bool):
     # SigLIP's initial logit scale and bias, as upstream's main passes them for --siglip.
-    extra = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0} if siglip else {}
-    with tempfile.TemporaryDirectory(prefix="naflex-accum-verify-") as folder, _quiet("open_clip"):
-        with open(os.path.join(folder, "open_clip_config.json"), "w") as f:
-            json.dump({"model_cfg": cfg}, f)
-        return open_clip.create_model(f"local-dir:{folder}", force_naflex_vision=True, output_dict=True,
-                                      device="cpu", **extra)
+    extra = {"init_logit_scale": math.log(10), "init_logit_bias": -10.0} if loss == "siglip" else {}
+    if loss != "coca":
+        extra["force_naflex_vision"] = True
+    with tempfile.TemporaryDirectory(prefix="naflex-accum-verify-") as folder:
+        return _build(write_model_dir(folder, loss, stochastic, vocab_size=AUDIT_VOCAB_SIZE), loss, **extra)
 
 
 def task_factory(loss: str, stochastic: bool):
     """``audit_case``'s ``make_task`` for upstream: (loss, stochastic) -> a seeded upstream task."""
     import torch
-    from open_clip.task import CLIPTask, SigLIPTask
+    import open_clip.task as tasks
 
     torch.manual_seed(0)
-    siglip = loss == "siglip"
-    model = create_model(siglip, stochastic)
-    return SigLIPTask(model) if siglip else CLIPTask(model)
+    return getattr(tasks, TASK_CLASSES[loss])(create_model(loss, stochastic))
 
 
 def describe(loss: str) -> str:
-    return DESCRIPTION.format(cls="SigLIPTask" if loss == "siglip" else "CLIPTask")
+    return DESCRIPTION[loss]
+
+
+def random_dense_window(split: Sequence[int], seed: int = 0) -> List[Dict]:
+    """One window of dense image batches for the tiny CoCa: microbatch j has ``split[j]`` examples.
+
+    Captions of random length are zero-padded, so the caption loss ignores the
+    padding as it does in training (CoCa pools its text at an appended class
+    token, so no end-of-text id is needed).
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    window = []
+    for n in split:
+        text = torch.randint(1, AUDIT_VOCAB_SIZE, (n, COCA_CONTEXT_LENGTH), generator=g)
+        lengths = torch.randint(3, COCA_CONTEXT_LENGTH, (n,), generator=g)
+        text[torch.arange(COCA_CONTEXT_LENGTH)[None] >= lengths[:, None]] = 0
+        window.append({"image": torch.rand(n, 3, COCA_IMAGE_SIZE, COCA_IMAGE_SIZE, generator=g), "text": text})
+    return window

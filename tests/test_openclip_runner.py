@@ -109,3 +109,56 @@ def test_mismatched_upstream_is_refused_in_one_line(upstream_train, fake_upstrea
     assert "expected open_clip_train.train._train_step_eager(task, batch, accum_state" in line
     assert "(task, batch, state, optimizer" in line and "`naflex-accum train`" in line
     assert "args" not in fake_upstream_main
+
+
+@pytest.fixture
+def upstream_main_with_logging(monkeypatch):
+    """A stand-in ``open_clip_train.main`` whose ``main`` calls ``parse_args`` and ``setup_logging``, as upstream's."""
+    import argparse
+    import logging
+
+    seen = {}
+    module = types.ModuleType("open_clip_train.main")
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.setdefault("records", []).append(record)
+
+    def parse_args(argv):
+        return argparse.Namespace(argv=argv)
+
+    def setup_logging(log_file, level):
+        logging.root.setLevel(level)
+        logging.root.addHandler(handler)
+
+    def main(argv):
+        args = module.parse_args(argv)
+        module.setup_logging(None, logging.WARNING)
+        seen["args"] = vars(args)
+    module.parse_args, module.setup_logging, module.main = parse_args, setup_logging, main
+    monkeypatch.setitem(sys.modules, "open_clip_train.main", module)
+    level = logging.root.level
+    yield seen, module, (parse_args, setup_logging)
+    logging.root.removeHandler(handler)
+    logging.root.setLevel(level)
+
+
+@pytest.mark.parametrize("mode", ["cached-loss", "replay"])
+def test_run_folder_records_the_fix_and_its_mode_at_warning(stand_in, upstream_train, upstream_main_with_logging,
+                                                            monkeypatch, mode):
+    from naflex_accum import __version__
+
+    seen, module, originals = upstream_main_with_logging
+    monkeypatch.setenv("NAFLEX_ACCUM_MODE", mode)
+    assert openclip.main(["--x"]) == 0
+    assert seen["args"]["naflex_accum"] == f"{mode} (naflex-accum {__version__})"  # params.txt comes from these
+    records = [r for r in seen["records"] if r.name == "naflex_accum.openclip"]
+    assert len(records) == 1 and f"(accumulation mode {mode}:" in records[0].getMessage()
+    assert (module.parse_args, module.setup_logging) == originals  # put back afterwards
+
+
+def test_bad_mode_in_the_environment_is_one_line_before_anything_runs(stand_in, upstream_train, fake_upstream_main,
+                                                                      monkeypatch, capsys):
+    monkeypatch.setenv("NAFLEX_ACCUM_MODE", "fast")
+    assert openclip.main(list(ARGS)) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "NAFLEX_ACCUM_MODE=fast: unknown accumulation mode" in line and "cached-loss" in line
+    assert "args" not in fake_upstream_main and getattr(upstream_train, NAME) is stand_in

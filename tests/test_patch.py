@@ -180,6 +180,17 @@ def test_unconfigured_logging_gets_one_stderr_line(stand_in, upstream_train, mon
     assert len(err) == 1 and err[0].startswith("naflex-accum: open_clip_train.train._train_step_eager replaced")
 
 
+def test_logging_at_warning_gets_one_stderr_line(stand_in, upstream_train, monkeypatch, capsys):
+    # Configured, but an INFO record would be dropped: the line goes to stderr instead.
+    monkeypatch.setattr(patch, "_announced", False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(patch._log, "hasHandlers", lambda: True)
+    monkeypatch.setattr(patch._log, "isEnabledFor", lambda level: level >= logging.WARNING)
+    install(mode="replay")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "(accumulation mode replay:" in err[0]
+
+
 def test_is_installed_does_not_import_open_clip(monkeypatch):
     monkeypatch.delitem(sys.modules, "open_clip_train.train", raising=False)
     assert is_installed() is False

@@ -4,22 +4,27 @@ Invariant: the audited step is the one a run here would call. With upstream
 open_clip main installed and matching the contract, that is
 ``open_clip_train.train._train_step_eager`` looked up through its module at
 call time (as ``train_one_epoch`` does) while ``naflex_accum.install()`` is in
-effect, on a tiny task built by upstream's own factory; the patch is taken out
-again afterwards. Otherwise it is the step of ``naflex-accum train`` (the
-default accumulation mode, or ``--accum-mode``) on the built-in tiny task. ``--step`` audits any
-other function of the same signature, unpatched. Exit 0 only if every row passes.
+effect, on a tiny task built by upstream's own factory (CLIP, SigLIP or CoCa);
+the patch is taken out again afterwards. Otherwise it is the step of
+``naflex-accum train`` (the default accumulation mode, or ``--accum-mode``) on
+the built-in tiny task. ``--step`` audits any other function of the same
+signature, unpatched. A step that raises fails its row with the error, never a
+traceback. Exit 0 only if every row passes.
 """
-from ..errors import OneLineParser
 import contextlib
 import json
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable, List
 
+from ..errors import OneLineParser, UsageError
 from ..modes import DEFAULT_MODE, ENV_VAR
-from ..scales import MODES
 from ..modes import MODES as MODES_ACCUM
+from ..scales import MODES
+from ..upstream_tasks import LOSSES
 from .table import load_step
 
 # Uneven on purpose: an even split hides the per-replay-scale bug.
@@ -39,7 +44,11 @@ class Target:
 
 def _builtin_task(loss: str):
     from ..audit import default_task_factory
+    from ..patch import open_clip_version
 
+    if loss == "coca":
+        raise UsageError(f"--loss coca: audits upstream open_clip main's CoCaTask, which open_clip_torch "
+                         f"{open_clip_version()} does not have; use --loss clip or siglip here")
     kind = "SigLipTask" if loss == "siglip" else "ClipTask"
     return default_task_factory, f"naflex_accum {kind} around the built-in tiny random NaFlex model (naflex-tiny)"
 
@@ -78,7 +87,7 @@ def _through_module(module_name: str, attr: str) -> Callable:
 def choose_target(step_spec, loss: str, mode=None) -> Target:
     from functools import partial
 
-    from ..modes import get_step
+    from ..modes import get_step, resolve_mode
     from ..patch import TARGET, TARGET_MODULE, TARGET_NAME, patched
 
     if step_spec is not None:
@@ -89,8 +98,9 @@ def choose_target(step_spec, loss: str, mode=None) -> Target:
     if problem is None:
         make_task, task_label = _task_for(loss)
         return Target(_through_module(TARGET_MODULE, TARGET_NAME),
-                      f"{TARGET} with naflex_accum.install() in effect ({get_step(mode).__name__}), called "
-                      f"through its module as train_one_epoch does", make_task, task_label,
+                      f"{TARGET} with naflex_accum.install() in effect (accumulation mode {resolve_mode(mode)}: "
+                      f"naflex_accum.{get_step(mode).__name__}), called through its module as train_one_epoch "
+                      f"does", make_task, task_label,
                       context=partial(patched, mode=mode))
     make_task, task_label = _builtin_task(loss)
     if problem.missing:
@@ -103,14 +113,56 @@ def choose_target(step_spec, loss: str, mode=None) -> Target:
     return Target(step, f"naflex_accum.{step.__name__}", make_task, task_label, notes=[note])
 
 
-def run_audit(target: Target, loss: str):
-    from ..audit import audit_case
+def dense_audit_case(step_fn, make_task, loss, mode, split, stochastic, reference_batch_size):
+    """``audit.audit_case`` on a window of dense images (the tiny CoCa's), with the same comparison.
 
+    The reference runs the forward per microbatch, then one loss and one
+    backward over the whole window: on the tiny CoCa, one fp32 forward over the
+    concatenated window differs from the chunked one by up to 3e-6 in round-off
+    alone (the decoder's cross-attention LayerNorm biases; 7e-15 in fp64), too
+    close to the 1e-5 tolerance for a stable audit.
+    """
+    from ..audit import AuditResult, accumulated_grads, compare, full_batch_grads
+    from ..scales import window_loss_scale
+    from ..upstream_tasks import random_dense_window
+
+    task = make_task(loss, stochastic)
+    task.train()
+    batches = random_dense_window(split)
+    seeds = [1000 + j for j in range(len(split))]
+    reference, ref_loss = full_batch_grads(task, batches, seeds, chunked=True)
+    args = SimpleNamespace(accum_freq=len(split), batch_size=reference_batch_size, naflex_loss_scale=mode,
+                           grad_clip_norm=None)
+    grads, step_loss, n = accumulated_grads(step_fn, task, batches, seeds, args)
+    scale = window_loss_scale(list(split), reference_batch_size, mode, naflex=False)
+    err, worst, ratios = compare(grads, reference, scale)
+    return AuditResult(loss, mode, tuple(split), stochastic, scale, err, worst, ratios,
+                       abs(step_loss - ref_loss) / abs(ref_loss), n)
+
+
+def audit_row(step, make_task, loss: str, mode: str, split, stochastic: bool):
+    """One row of the audit; a step (or reference) that raises gives a failed row with ``.error`` set."""
+    from ..audit import AuditResult, audit_case
+    from ..scales import window_loss_scale
+
+    try:
+        if loss == "coca":
+            return dense_audit_case(step, make_task, loss, mode, split, stochastic, REFERENCE_BATCH_SIZE)
+        return audit_case(step, make_task, loss, mode, split, stochastic,
+                          reference_batch_size=REFERENCE_BATCH_SIZE)
+    except Exception as exc:  # the audited step failed on this install: a FAIL row that says why
+        message = " ".join(str(exc).split()) or "(no message)"
+        scale = window_loss_scale(list(split), REFERENCE_BATCH_SIZE, mode, naflex=loss != "coca")
+        row = AuditResult(loss, mode, tuple(split), stochastic, scale, math.inf, "")
+        row.error = f"{type(exc).__name__}: {message}"
+        return row
+
+
+def run_audit(target: Target, loss: str):
     with target.context(), warnings.catch_warnings():
         # Upstream's step returns its loss still attached to the graph.
         warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad")
-        return [audit_case(target.step, target.make_task, loss, mode, split, stochastic,
-                           reference_batch_size=REFERENCE_BATCH_SIZE)
+        return [audit_row(target.step, target.make_task, loss, mode, split, stochastic)
                 for stochastic in (False, True) for mode in MODES for split in VERIFY_SPLITS]
 
 
@@ -121,27 +173,37 @@ def _span(results, key: str) -> str:
 
 def render_text(target: Target, loss: str, version: str, results, seconds: float) -> str:
     from ..audit import format_table
+    from ..upstream_tasks import STOCHASTIC_NOTE
 
     passed = sum(r.passed for r in results)
+    errors = sorted({r.error for r in results if hasattr(r, "error")})
+    dense = " (dense images: the NaFlex loss scale is 1)" if loss == "coca" else ""
     lines = [f"naflex-accum verify: open_clip_torch {version}, loss {loss}, CPU fp32",
              f"step: {target.step_label}",
              f"task: {target.task_label}",
              *[f"note: {n}" for n in target.notes],
              f"window: examples split into microbatches as shown; reference batch size (--batch-size) "
-             f"{REFERENCE_BATCH_SIZE}; stoch = patch dropout 0.5 and drop path 0.1 in the image tower",
+             f"{REFERENCE_BATCH_SIZE}{dense}; stoch = {STOCHASTIC_NOTE[loss]}",
              "", format_table(results), "",
+             *[f"error in {sum(getattr(r, 'error', None) == e for r in results)} row(s): {e}" for e in errors],
              f"{passed}/{len(results)} PASS; largest tower relative error "
              f"{max(r.tower_rel_err for r in results):.2e}; logit_scale ratio {_span(results, 'logit_scale')}"
              + (f"; logit_bias ratio {_span(results, 'logit_bias')}" if loss == "siglip" else "")
              + f"; {seconds:.0f}s"]
-    if passed < len(results):
+    if passed < len(results) - sum(hasattr(r, "error") for r in results):
         lines.append("FAIL: this step's update depends on how a window is split, or counts the logit "
                      "parameters more than once (ratio != 1).")
+    if errors:
+        lines.append("FAIL: the step raised on this install (errors above).")
     return "\n".join(lines)
 
 
 def render_json(target: Target, loss: str, version: str, results, seconds: float) -> str:
-    rows = [{**r.__dict__, "split": list(r.split), "passed": r.passed} for r in results]
+    def finite(value):
+        return None if isinstance(value, float) and not math.isfinite(value) else value
+
+    rows = [{**{k: finite(v) for k, v in r.__dict__.items()}, "split": list(r.split), "passed": r.passed}
+            for r in results]
     return json.dumps({"open_clip_torch": version, "loss": loss, "step": target.step_label,
                        "task": target.task_label, "notes": target.notes,
                        "reference_batch_size": REFERENCE_BATCH_SIZE,
@@ -150,8 +212,8 @@ def render_json(target: Target, loss: str, version: str, results, seconds: float
 
 def main(argv, prog="naflex-accum verify") -> int:
     parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--loss", default="clip", choices=("clip", "siglip"),
-                        help="contrastive loss of the tiny model (default: clip)")
+    parser.add_argument("--loss", default="clip", choices=LOSSES,
+                        help="loss of the tiny model (default: clip); coca needs upstream open_clip main")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--step", metavar="MODULE:FUNCTION", default=None,
                         help="audit this function (upstream's signature) instead, unpatched; e.g. "
