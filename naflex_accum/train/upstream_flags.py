@@ -219,3 +219,7 @@ def markdown_table() -> str:
         status = flag.status if flag.status != L else "only " + ", ".join(f"`{v}`" for v in flag.allowed if v)
         lines.append(f"| `{option}` | {status} | {flag.note} |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the table for docs/training.md
+    print(markdown_table())
