@@ -93,12 +93,12 @@ def validate(args) -> None:
     parse_upsampling_factors(args)
     if args.force_patch_dropout is not None and not 0.0 <= args.force_patch_dropout < 1.0:
         raise UsageError(f"--force-patch-dropout must be in [0, 1); got {args.force_patch_dropout}")
-    for name, lock in (("lock_image_unlocked_groups", "lock_image"), ("lock_text_unlocked_layers", "lock_text")):
-        flag, value = f"--{name.replace('_', '-')}", getattr(args, name)
-        if value < 0:
-            raise UsageError(f"{flag} must be >= 0; got {value}")
-        if value and not getattr(args, lock):
-            raise UsageError(f"{flag} has no effect without --{lock.replace('_', '-')}")
+    for name in ("lock_image_unlocked_groups", "lock_text_unlocked_layers", "zeroshot_frequency", "val_frequency"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(args, name)}")
+    for count, lock in (("--lock-image-unlocked-groups", "lock_image"), ("--lock-text-unlocked-layers", "lock_text")):
+        if getattr(args, count[2:].replace("-", "_")) and not getattr(args, lock):
+            raise UsageError(f"{count} has no effect without --{lock.replace('_', '-')}")
     if args.lock_image and args.lock_text and not args.lock_image_unlocked_groups \
             and not args.lock_text_unlocked_layers:
         raise UsageError("--lock-image and --lock-text with no unlocked groups leave only logit_scale to train; "

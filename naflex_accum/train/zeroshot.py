@@ -283,9 +283,6 @@ def image_sets(args) -> List[ZeroShotSet]:
 
 
 def validate(args) -> None:
-    for name in ("zeroshot_frequency", "val_frequency"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0 (0: never); got {getattr(args, name)}")
     if args.zeroshot_data and not args.zeroshot_classes:
         raise UsageError("--zeroshot-data needs --zeroshot-classes FILE: the class names and prompt templates")
     if args.zeroshot_classes:
