@@ -27,21 +27,21 @@ SHOWN_KEYS = 3  # keys named in a mismatch message, per kind
 def add_args(parser: argparse.ArgumentParser) -> None:
     """The fine-tuning, zero-shot and data flags, then every other upstream flag (refused with its reason)."""
     f = parser.add_argument_group("fine-tuning (open_clip's flags)")
-    f.add_argument("--pretrained", default=None,
+    f.add_argument("--pretrained", default=None, metavar="FILE",
                    help="local weights: an open_clip checkpoint, a run's epoch_K.pt, or timm NaFlexVit/ViT "
                         "image-tower weights (.pt/.pth/.bin/.safetensors); --resume wins over it")
     f.add_argument("--lock-image", action="store_true", help="freeze the image tower (projection included)")
-    f.add_argument("--lock-image-unlocked-groups", type=int, default=0,
+    f.add_argument("--lock-image-unlocked-groups", type=int, default=0, metavar="N",
                    help="with --lock-image: leave the top N layer groups trainable (the projection is the first)")
     f.add_argument("--lock-image-freeze-bn-stats", action="store_true", help="no effect: NaFlexVit has no BatchNorm")
     f.add_argument("--lock-text", action="store_true", help="freeze the text tower (projection included)")
-    f.add_argument("--lock-text-unlocked-layers", type=int, default=0,
+    f.add_argument("--lock-text-unlocked-layers", type=int, default=0, metavar="N",
                    help="with --lock-text: leave the top N layer groups trainable (the projection is the first)")
     f.add_argument("--lock-text-freeze-layer-norm", action="store_true",
                    help="no effect: LayerNorm keeps no running statistics")
     f.add_argument("--text-pooler-own-group", dest="text_pooler_in_head", action="store_false",
                    help="no effect: open_clip's text tower has no readout pooler")
-    f.add_argument("--force-patch-dropout", type=float, default=None,
+    f.add_argument("--force-patch-dropout", type=float, default=None, metavar="P",
                    help="override the image tower's patch dropout (0 turns it off)")
     f.add_argument("--grad-checkpointing", action="store_true",
                    help="activation checkpointing in both towers (model.set_grad_checkpointing)")
@@ -49,9 +49,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--use-naflex", action="store_true", help="no effect: NaFlex batching is always on here")
     f.add_argument("--force-naflex-vision", action="store_true", help="no effect: the image tower is a NaFlexVit")
     d = parser.add_argument_group("data sampling (open_clip's flags)")
-    d.add_argument("--dataset-resampled", action=argparse.BooleanOptionalAction, default=None,
-                   help="draw training shards with replacement (default: on)")
-    d.add_argument("--train-data-upsampling-factors", default=None,
+    d.add_argument("--dataset-resampled", action=argparse.BooleanOptionalAction, default=_default_resampled(),
+                   help="draw training shards with replacement")
+    d.add_argument("--train-data-upsampling-factors", default=None, metavar="F1::F2",
                    help="with --dataset-resampled: relative weight of each '::'-joined --train-data source, "
                         "e.g. 1::2")
     zeroshot.add_args(parser)
@@ -88,8 +88,6 @@ def parse_upsampling_factors(args) -> Optional[List[float]]:
 def validate(args) -> None:
     """Check the flags added here (after the trainer's own checks)."""
     upstream_flags.check_namespace(args)
-    if args.dataset_resampled is None:
-        args.dataset_resampled = _default_resampled()
     parse_upsampling_factors(args)
     if args.force_patch_dropout is not None and not 0.0 <= args.force_patch_dropout < 1.0:
         raise UsageError(f"--force-patch-dropout must be in [0, 1); got {args.force_patch_dropout}")

@@ -41,17 +41,19 @@ def due(epoch: int, frequency: int, epochs: int) -> bool:
 
 def add_args(parser) -> None:
     e = parser.add_argument_group("evaluation (open_clip's flags, and a local zero-shot set)")
-    e.add_argument("--val-frequency", type=int, default=1, help="held-out retrieval every N epochs (0: never)")
-    e.add_argument("--zeroshot-frequency", type=int, default=2,
+    e.add_argument("--val-frequency", type=int, default=1, metavar="N", help="held-out retrieval every N epochs (0: never)")
+    e.add_argument("--zeroshot-frequency", type=int, default=2, metavar="N",
                    help="zero-shot classification every N epochs and after the last (0: never)")
-    e.add_argument("--zeroshot-classes", default=None,
+    e.add_argument("--zeroshot-classes", default=None, metavar="FILE",
                    help="class list for --zeroshot-data: a YAML/JSON file with classnames and templates "
                         "(or a name in naflex_accum/class_lists, e.g. demo-shapes)")
-    e.add_argument("--zeroshot-data", default=None,
-                   help="labelled webdataset shards for --zeroshot-classes ('.cls' index, or '.json' fields; "
-                        "default: --val-data)")
-    e.add_argument("--imagenet-val", default=None, help="ImageNet val folder (one subfolder per class) for zero-shot")
-    e.add_argument("--imagenet-v2", default=None, help="ImageNetV2 folder (subfolders 0..999) for zero-shot")
+    e.add_argument("--zeroshot-data", default=None, metavar="SHARDS",
+                   help="labelled webdataset shards for --zeroshot-classes (a '.cls' index, or '.json' fields, per "
+                        "sample); --val-data when not given")
+    e.add_argument("--imagenet-val", default=None, metavar="DIR",
+                   help="ImageNet val folder (one subfolder per class) for zero-shot")
+    e.add_argument("--imagenet-v2", default=None, metavar="DIR",
+                   help="ImageNetV2 folder (subfolders 0..999) for zero-shot")
 
 
 # ---- class lists ----------------------------------------------------------------------------------------------
