@@ -91,4 +91,5 @@ def test_docs_table_is_generated_from_the_module():
     assert start in text and end in text
     table = text.split(start, 1)[1].split(end, 1)[0].strip()
     assert table == upstream_flags.markdown_table(), \
-        "docs/training.md's flag table is stale: paste `python -m naflex_accum.train.upstream_flags` between its markers"
+        "docs/training.md's flag table is stale: paste the output of `python -m naflex_accum.train.upstream_flags` " \
+        "between its markers"

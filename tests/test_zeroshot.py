@@ -116,7 +116,8 @@ def test_cls_labels_and_skipped_samples(tmp_path, caplog):
     classes = tmp_path / "c.yaml"
     classes.write_text("name: three\nclassnames: [cat, dog, bird]\ntemplates: ['a photo of a {}.']\n")
     write_cls_shard(tmp_path / "z-0.tar", [0, 1, 2, 7, 1])
-    source = zeroshot.ShardSource([str(tmp_path / "z-0.tar")], zeroshot.load_class_list(str(classes)), "--zeroshot-data")
+    class_list = zeroshot.load_class_list(str(classes))
+    source = zeroshot.ShardSource([str(tmp_path / "z-0.tar")], class_list, "--zeroshot-data")
     problems = zeroshot.Problems()
     assert [label for _, label in source.items(0, 1, problems)] == [0, 1, 2, 1]
     assert problems.count == 1 and ".cls 7 is outside 0..2" in problems.first[0]
@@ -149,11 +150,12 @@ def test_imagenet_val_and_v2_folders(tmp_path, monkeypatch):
 
     monkeypatch.setattr(open_clip, "OPENAI_IMAGENET_TEMPLATES", ("a photo of a {}.",))  # 1 template: fast
     synsets = [f"n{i:08d}" for i in range(1000)]
-    imagenet_folder(tmp_path / "val", synsets, {3, 500})
+    imagenet_folder(tmp_path / "val", synsets, {3, 500, 501, 998})
     imagenet_folder(tmp_path / "v2" / zeroshot.IMAGENET_V2_SUBFOLDER, [str(i) for i in range(1000)], {10, 999})
-    args = eval_args(imagenet_val=str(tmp_path / "val"), imagenet_v2=str(tmp_path / "v2"))
+    # 4 images: the val set is read by 2 loader workers, v2's 2 images in the main process
+    args = eval_args(imagenet_val=str(tmp_path / "val"), imagenet_v2=str(tmp_path / "v2"), workers=2)
     sets = zeroshot.image_sets(args)
-    assert [label for _, label in sets[0].source.files] == [3, 500]
+    assert [label for _, label in sets[0].source.files] == [3, 500, 501, 998]
     assert [label for _, label in sets[1].source.files] == [10, 999]  # by folder name, not string order
     metrics = zeroshot.make_zero_shot(args, tiny_task().trainable_module, World(), torch.device("cpu"))(
         tiny_task(), 1, nullcontext)

@@ -28,8 +28,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """The fine-tuning, zero-shot and data flags, then every other upstream flag (refused with its reason)."""
     f = parser.add_argument_group("fine-tuning (open_clip's flags)")
     f.add_argument("--pretrained", default=None, metavar="FILE",
-                   help="local weights: an open_clip checkpoint, a run's epoch_K.pt, or timm NaFlexVit/ViT "
-                        "image-tower weights (.pt/.pth/.bin/.safetensors); --resume wins over it")
+                   help="local weights: an open_clip checkpoint, a run's epoch_K.pt, or timm NaFlexVit/ViT image-tower "
+                        "weights (.pt/.pth/.bin/.safetensors); --resume wins over it; none or '': random init")
     f.add_argument("--lock-image", action="store_true", help="freeze the image tower (projection included)")
     f.add_argument("--lock-image-unlocked-groups", type=int, default=0, metavar="N",
                    help="with --lock-image: leave the top N layer groups trainable (the projection is the first)")
@@ -101,8 +101,6 @@ def validate(args) -> None:
             and not args.lock_text_unlocked_layers:
         raise UsageError("--lock-image and --lock-text with no unlocked groups leave only logit_scale to train; "
                          "unlock some layers (--lock-image-unlocked-groups/--lock-text-unlocked-layers)")
-    if args.pretrained is not None and not args.pretrained:
-        raise UsageError("--pretrained is empty; give a local weights file")
     zeroshot.validate(args)
 
 

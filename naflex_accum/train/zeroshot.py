@@ -41,7 +41,8 @@ def due(epoch: int, frequency: int, epochs: int) -> bool:
 
 def add_args(parser) -> None:
     e = parser.add_argument_group("evaluation (open_clip's flags, and a local zero-shot set)")
-    e.add_argument("--val-frequency", type=int, default=1, metavar="N", help="held-out retrieval every N epochs (0: never)")
+    e.add_argument("--val-frequency", type=int, default=1, metavar="N",
+                   help="held-out retrieval every N epochs and after the last (0: never)")
     e.add_argument("--zeroshot-frequency", type=int, default=2, metavar="N",
                    help="zero-shot classification every N epochs and after the last (0: never)")
     e.add_argument("--zeroshot-classes", default=None, metavar="FILE",
