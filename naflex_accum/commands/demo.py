@@ -1,4 +1,8 @@
-"""``naflex-accum demo``: make the synthetic demo data once, then train the tiny model on the CPU.
+"""``naflex-accum demo``: make the synthetic demo data once, train the tiny model on the CPU, show what it learnt.
+
+The summary puts held-out retrieval and zero-shot classification (the demo's
+colour-shape classes, ``class_lists/demo-shapes.yaml``) before training next to
+after the last epoch.
 
 Invariants: the demo data lives in a cache folder and is written to a
 temporary sibling first, then renamed, so a folder that exists is complete;
