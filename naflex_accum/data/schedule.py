@@ -35,6 +35,8 @@ class DataConfig:
     rank: int = 0
     world_size: int = 1
     shuffle_buffer: int = 1000                      # samples held for shuffling, per worker (0: no shuffle)
+    dataset_resampled: bool = True                  # --dataset-resampled / --no-dataset-resampled
+    upsampling_factors: Optional[Sequence[float]] = None  # --train-data-upsampling-factors: one per '::' source
 
 
 class BatchSpec(NamedTuple):

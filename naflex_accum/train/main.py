@@ -15,11 +15,13 @@ from ..errors import UsageError
 from .checkpoint import load_checkpoint, resolve_run, save_checkpoint
 from .distributed import init_distributed
 from .evaluate import evaluate
+from .finetune import data_options, prepare_model
 from .logs import LOGGER_NAME, RunLogger, setup_logging, write_params
 from .loop import TrainState, rng_snapshot, train_one_epoch
 from .lr import make_scheduler
 from .params import parse_args
 from .preempt import Preempted, StopRequest
+from .zeroshot import due, make_zero_shot
 
 log = logging.getLogger(LOGGER_NAME)
 
@@ -47,11 +49,12 @@ def build_task(args, world, device):
 
     torch.manual_seed(args.seed)  # same initial weights on every rank and every resume
     try:
-        model = create_model(args.model, siglip=args.siglip)
+        model = create_model(args.model, siglip=args.siglip, patch_dropout=args.force_patch_dropout)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if len(args.naflex_patch_sizes) > 1:
         enable_patch_sizes(model)
+    prepare_model(model, args)  # --pretrained, --lock-*, --grad-checkpointing: before DDP and the optimizer
     model.to(device)
     loss_kwargs = dict(rank=world.rank, world_size=world.world_size)
     if not args.siglip:
@@ -76,7 +79,7 @@ def build_data(args, world, model):
         max_tokens_per_batch=args.naflex_max_tokens_per_batch, batch_divisor=args.naflex_batch_divisor,
         patch_sizes=tuple(args.naflex_patch_sizes), num_samples=args.train_num_samples,
         num_image_tokens=args.naflex_num_train_image_tokens, accum_freq=args.accum_freq,
-        seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size)
+        seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size, **data_options(args))
     train = make_train_loader(cfg, tokenizer)
     val = None
     if args.val_data and world.is_master:
@@ -169,17 +172,25 @@ def run(args, world, device) -> dict:
     autocast, step_fn, metrics = get_autocast(args.precision, device), select_step(args), {}
     log.info(f"Run folder {paths.root}: {train_data.num_batches // args.accum_freq} steps/epoch, "
              f"{train_data.num_samples} samples/epoch, world size {world.world_size}")
-    if val_data is not None and args.val_at_start and state.epoch == 0:
-        metrics = evaluate(task, val_data, device, autocast)
-        run_logger.eval(0, metrics, state.global_step)
+    zero_shot = make_zero_shot(args, model, world, device)
+
+    def run_evals(epoch: int) -> dict:
+        metrics = {}
+        if val_data is not None and due(epoch, args.val_frequency, args.epochs):
+            metrics.update(evaluate(task, val_data, device, autocast))
+        if zero_shot is not None:
+            metrics.update(zero_shot(task, epoch, autocast))
+        run_logger.eval(epoch, metrics, state.global_step)
+        return metrics
+
+    if args.val_at_start and state.epoch == 0:
+        metrics = run_evals(0)
     preempted = False
     try:
         for _ in range(state.epoch, args.epochs):
             train_one_epoch(state, train_data, args, world, device, autocast, step_fn, run_logger, stop)
             state.epoch += 1
-            if val_data is not None:
-                metrics = evaluate(task, val_data, device, autocast)
-                run_logger.eval(state.epoch, metrics, state.global_step)
+            metrics = run_evals(state.epoch) or metrics
             end_of_epoch(state, model, args, world, paths)
     except Preempted:
         save_mid_epoch(state, model, args, world, paths)

@@ -12,6 +12,7 @@ from ..errors import OneLineParser, UsageError
 from ..modes import DEFAULT_MODE
 from ..modes import MODES as MODES_ACCUM
 from ..scales import MODES, check_options
+from . import finetune
 
 RUN_CONFIG_DIR = Path(__file__).resolve().parent.parent / "run_configs"
 
@@ -67,6 +68,7 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     r.add_argument("--save-frequency", type=int, default=1, help="save every N epochs (0: never)")
     r.add_argument("--report-to", default="", help="'tensorboard' or '' (none)")
     r.add_argument("--log-every-n-steps", type=int, default=100)
+    finetune.add_args(p)
     return p
 
 
@@ -142,3 +144,4 @@ def validate(args) -> None:
         raise UsageError("--local-loss and --gather-with-grad apply to the CLIP loss, not --siglip")
     if args.name is not None and (not args.name or "/" in args.name or args.name in (".", "..")):
         raise UsageError(f"--name {args.name!r}: use a plain folder name without '/'")
+    finetune.validate(args)

@@ -1,0 +1,225 @@
+"""Every flag of upstream open_clip main's ``open_clip_train/params.py``, and what ``naflex-accum train`` does with it.
+
+Invariant: each upstream flag is in ``FLAGS`` and is either ``works`` (a real
+flag of ``naflex-accum train`` with upstream's meaning), ``limited`` (upstream's
+meaning for the values in ``allowed``, the others refused) or ``refused``
+(registered, so using it exits 2 with its one-line reason instead of
+"unrecognized arguments"; a ``--config`` preset key is refused the same way).
+The flag table in docs/training.md is generated from ``FLAGS`` and a test
+keeps the two equal, and checks ``FLAGS`` against the pinned upstream
+snapshot's parser, so neither can drift.
+"""
+import argparse
+from typing import Dict, NamedTuple, Tuple
+
+from ..errors import UsageError
+
+
+class Flag(NamedTuple):
+    status: str  # "works", "limited" or "refused"
+    note: str = ""  # works: how it differs, if at all; limited/refused: why, in one line
+    allowed: Tuple[str, ...] = ()  # limited: the values that keep upstream's meaning here
+
+
+W, L, R = "works", "limited", "refused"
+_AUDIO = Flag(R, "audio models (CLAP) are not trained here: image-text CLIP/SigLIP only")
+_CSV = Flag(R, "csv data is not read here: webdataset shards only")
+_WANDB = Flag(R, "wandb is not a dependency: tensorboard events go to logs/NAME/tensorboard "
+                 "(`wandb sync --sync-tensorboard` uploads them)")
+_COMPILE = Flag(R, "torch.compile is not wired into this trainer (each microbatch has its own NaFlex shape)")
+_FSDP = Flag(R, "FSDP is not supported: the accumulation step is verified under DDP (torchrun) only")
+_REMOTE = Flag(R, "remote sync is not offered: copy logs/NAME yourself (checkpoints are written atomically)")
+_BUCKETS = Flag(R, "captions are padded to the model's context length; there is no length bucketing")
+_NOOP = "accepted; it has no effect on these models, as upstream"
+
+FLAGS: Dict[str, Flag] = {
+    # data
+    "--train-data": Flag(W, "webdataset shards only; sources joined by '::'"),
+    "--train-data-upsampling-factors": Flag(W, "one factor per '::' source; needs --dataset-resampled"),
+    "--val-data": Flag(W, "held-out retrieval R@1/R@5, mean rank and loss"),
+    "--train-num-samples": Flag(W),
+    "--val-num-samples": Flag(R, "not needed: the held-out set is read to its end and counted"),
+    "--dataset-type": Flag(L, "only webdataset shards are read (no csv, synthetic or audio data)",
+                           ("webdataset", "auto")),
+    "--dataset-resampled": Flag(W, "on by default here (--no-dataset-resampled turns it off)"),
+    "--audio-ext": _AUDIO, "--pretrained-audio": _AUDIO, "--audio-fill": _AUDIO, "--audio-trunc": _AUDIO,
+    "--audio-fusion": _AUDIO, "--audio-int16-normalize": _AUDIO, "--audio-zeroshot-dataset": _AUDIO,
+    "--audio-zeroshot-split": _AUDIO, "--audio-zeroshot-audio-key": _AUDIO,
+    "--audio-zeroshot-target-key": _AUDIO, "--audio-zeroshot-class-key": _AUDIO,
+    "--audio-zeroshot-template": _AUDIO, "--audio-zeroshot-workers": _AUDIO,
+    "--audio-zeroshot-multiprocessing-context": _AUDIO, "--audio-multiprocessing-context": _AUDIO,
+    "--audio-layer-decay": _AUDIO,
+    "--csv-separator": _CSV, "--csv-img-key": _CSV, "--csv-caption-key": _CSV,
+    "--image-key": Flag(L, "the image is the first of .jpg/.png/.jpeg/.webp in a sample", ("jpg;png;jpeg;webp",)),
+    "--text-key": Flag(L, "the caption is the sample's .txt member", ("txt",)),
+    "--json-text-key": Flag(R, "captions come from the .txt member, not from a .json field"),
+    "--json-text-key-probs": Flag(R, "captions come from the .txt member, not from a .json field"),
+    "--max-image-pixels": Flag(R, "not configurable: images are opened lazily and decoded at the batch's size"),
+    "--imagenet-val": Flag(W, "an ImageNet val folder (class subfolders, ImageFolder order)"),
+    "--imagenet-v2": Flag(W, "an ImageNetV2 folder (subfolders 0..999); nothing is downloaded"),
+    "--cache-dir": Flag(R, "nothing is downloaded: models come from local configs, weights from --pretrained FILE"),
+    # run folder and logging
+    "--logs": Flag(W), "--name": Flag(W),
+    "--log-local": Flag(R, "only global rank 0 writes logs"),
+    "--report-to": Flag(L, "tensorboard only; " + _WANDB.note, ("tensorboard", "", "none")),
+    "--wandb-notes": _WANDB, "--wandb-project-name": _WANDB,
+    "--debug": Flag(R, "there is no debug logging mode"),
+    "--copy-codebase": Flag(R, "the code is an installed package; params.txt records the flags"),
+    "--log-every-n-steps": Flag(W),
+    "--log-metric-every-n-steps": Flag(R, "tensorboard gets every optimizer step's scalars"),
+    "--train-loss-ema-samples": Flag(L, "the console shows the epoch's running average, as upstream with 0", ("0",)),
+    "--save-frequency": Flag(W),
+    "--save-most-recent": Flag(R, "checkpoints are epoch_K.pt every --save-frequency epochs, and epoch_latest.pt "
+                                  "when a stop is requested inside an epoch"),
+    "--delete-previous-checkpoint": Flag(R, "checkpoints are never deleted by the trainer"),
+    "--remote-sync": _REMOTE, "--remote-sync-frequency": _REMOTE, "--remote-sync-protocol": _REMOTE,
+    "--resume": Flag(W, "a path or 'latest'; wins over --pretrained"),
+    # evaluation
+    "--zeroshot-frequency": Flag(W, "with --imagenet-val/--imagenet-v2, or a local class list (--zeroshot-classes)"),
+    "--val-frequency": Flag(W),
+    "--val-retrieval-chunk-size": Flag(R, "retrieval is scored as one fp32 matrix on the CPU (as upstream's 0)"),
+    "--val-retrieval-precision": Flag(L, "retrieval is scored in fp32", ("fp32",)),
+    # model
+    "--model": Flag(W, "configs/models/NAME.json (a NaFlexVit image tower) or a JSON path; no hub names"),
+    "--pretrained": Flag(W, "a local file: open_clip checkpoint, a run's epoch_K.pt, or timm NaFlexVit/ViT image "
+                            "tower weights; no tags (they need a download)"),
+    "--pretrained-image": Flag(R, "downloads ImageNet weights: pass a local timm weights file as --pretrained FILE"),
+    "--lock-image": Flag(W, "upstream main's meaning: the whole image tower, projection included"),
+    "--lock-image-unlocked-groups": Flag(W, "counts timm's layer groups from the top, the projection first"),
+    "--lock-image-freeze-bn-stats": Flag(W, _NOOP + " (NaFlexVit has no BatchNorm)"),
+    "--lock-text": Flag(W),
+    "--lock-text-unlocked-layers": Flag(W),
+    "--lock-text-freeze-layer-norm": Flag(W, _NOOP + " (LayerNorm keeps no running statistics)"),
+    "--text-pooler-own-group": Flag(W, _NOOP + " (open_clip's text tower has no readout pooler)"),
+    "--grad-checkpointing": Flag(W, "the model's own set_grad_checkpointing(True): both towers"),
+    "--force-patch-dropout": Flag(W),
+    "--force-context-length": Flag(R, "set text_cfg.context_length in a model JSON (--model PATH)"),
+    "--force-image-size": Flag(R, "NaFlex has no fixed image size: --naflex-seq-lens sets the tokens per image"),
+    "--force-quick-gelu": Flag(R, "set quick_gelu in a model JSON (--model PATH)"),
+    "--force-custom-text": Flag(R, "the text tower is open_clip's native CLIP text tower"),
+    "--force-naflex-vision": Flag(W, _NOOP + " (the image tower is always a NaFlexVit)"),
+    "--use-naflex": Flag(W, _NOOP + " (NaFlex batching is always on)"),
+    "--image-mean": Flag(R, "patches are normalised with open_clip's CLIP mean and std"),
+    "--image-std": Flag(R, "patches are normalised with open_clip's CLIP mean and std"),
+    "--image-interpolation": Flag(R, "images are resized bicubic to fit the sequence length"),
+    "--image-resize-mode": Flag(R, "NaFlex keeps each image's aspect ratio; no crop or squash"),
+    "--aug-cfg": Flag(R, "no augmentation beyond the NaFlex resize"),
+    "--use-bnb-linear": Flag(R, "bitsandbytes layers are not supported"),
+    "--distill-model": Flag(R, "distillation is not supported (upstream does not accumulate it either)"),
+    "--distill-pretrained": Flag(R, "distillation is not supported (upstream does not accumulate it either)"),
+    "--coca-caption-loss-weight": Flag(R, "CoCa is not trained here: CLIP/SigLIP only"),
+    "--coca-contrastive-loss-weight": Flag(R, "CoCa is not trained here: CLIP/SigLIP only"),
+    "--siglip": Flag(W), "--local-loss": Flag(W), "--gather-with-grad": Flag(W),
+    "--loss-dist-impl": Flag(R, "each loss uses open_clip 3.3.0's default distributed implementation"),
+    # optimisation
+    "--batch-size": Flag(W, "the reference batch size of --naflex-loss-scale; NaFlex batches come from the budget"),
+    "--epochs": Flag(W), "--lr": Flag(W), "--beta1": Flag(W), "--beta2": Flag(W), "--eps": Flag(W), "--wd": Flag(W),
+    "--warmup": Flag(W), "--accum-freq": Flag(W, "exact: split-invariant window scale"), "--seed": Flag(W),
+    "--grad-clip-norm": Flag(W),
+    "--precision": Flag(W, "fp32, amp (fp16 with a GradScaler) or amp_bf16; default fp32"),
+    "--lr-scheduler": Flag(W, "cosine or const"),
+    "--epochs-cooldown": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
+    "--lr-cooldown-end": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
+    "--lr-cooldown-power": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
+    "--skip-scheduler": Flag(R, "use --lr-scheduler const --warmup 0 (a constant --lr)"),
+    "--momentum": Flag(R, "for timm optimizers; the optimizer is AdamW"),
+    "--opt": Flag(L, "the optimizer is AdamW (--lr, --beta1, --beta2, --eps, --wd)", ("adamw",)),
+    "--opt-kwargs": Flag(R, "the optimizer is AdamW (--lr, --beta1, --beta2, --eps, --wd)"),
+    "--opt-fallback-list": Flag(R, "Muon-family optimizers are not offered; the optimizer is AdamW"),
+    "--text-layer-decay": Flag(R, "layer-wise LR decay is not offered; --lock-text-unlocked-layers freezes instead"),
+    "--image-layer-decay": Flag(R, "layer-wise LR decay is not offered; --lock-image-unlocked-groups freezes instead"),
+    "--visual-layer-decay": Flag(R, "layer-wise LR decay is not offered; --lock-image-unlocked-groups freezes "
+                                    "instead"),
+    "--wd-exclude": Flag(R, "no weight decay on 1-D parameters, biases, norms and logit_scale (fixed)"),
+    "--use-bn-sync": Flag(W, _NOOP + " (no BatchNorm)"),
+    "--torchcompile": _COMPILE, "--torchcompile-strategy": _COMPILE, "--torchcompile-backend": _COMPILE,
+    "--torchcompile-mode": _COMPILE,
+    # devices and processes
+    "--device": Flag(W, "cpu, cuda or cuda:N; default cuda when available"),
+    "--workers": Flag(W),
+    "--dist-url": Flag(R, "the process group comes from torchrun's (or SLURM's) environment"),
+    "--dist-backend": Flag(R, "nccl on CUDA, gloo on the CPU, chosen from --device"),
+    "--no-set-device-rank": Flag(R, "each rank uses cuda:LOCAL_RANK, or the device --device names"),
+    "--ddp-static-graph": Flag(R, "DDP runs with its defaults"),
+    "--fsdp": _FSDP, "--fsdp-no-reshard-after-forward": _FSDP, "--fsdp-offload-cpu": _FSDP,
+    "--fsdp-checkpoint": _FSDP,
+    # NaFlex
+    "--naflex-num-train-image-tokens": Flag(W), "--naflex-patch-sizes": Flag(W), "--naflex-seq-lens": Flag(W),
+    "--naflex-seq-len-probs": Flag(W), "--naflex-max-tokens-per-batch": Flag(W), "--naflex-batch-divisor": Flag(W),
+    "--naflex-loss-scale": Flag(W, "one scale per window (split-invariant), not one per microbatch"),
+    "--naflex-patch-size-probs": Flag(R, "patch sizes take equal shares of each epoch's batches"),
+    "--naflex-max-text-tokens": Flag(R, "GenLIP only"),
+    "--naflex-pad-multiple": Flag(R, "NaFlex audio only"),
+    "--text-pad-multiple": Flag(R, "captions are padded to the model's context length"),
+    "--length-bucketing": _BUCKETS, "--bucket-pool": _BUCKETS, "--bucket-chunk": _BUCKETS,
+    "--bucket-prefetch-pools": _BUCKETS,
+}
+
+
+def _message(option: str, flag: Flag, value=None) -> str:
+    if flag.status == L:
+        shown = ", ".join(repr(v) for v in flag.allowed)
+        return f"{option} {value!r}: {flag.note}; valid values here: {shown}"
+    return f"{option} is an open_clip flag this trainer does not support: {flag.note}"
+
+
+class _Refuse(argparse.Action):
+    """Raise the flag's reason when used (on the command line, or later from a preset)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise UsageError(_message(option_string, FLAGS[option_string]))
+
+
+class _Limited(argparse.Action):
+    """Store a value that keeps upstream's meaning here; refuse any other."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        flag = FLAGS[option_string]
+        if values not in flag.allowed:
+            raise UsageError(_message(option_string, flag, values))
+        setattr(namespace, self.dest, values)
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Add every refused or limited upstream flag the parser lacks (hidden from --help; see docs/training.md).
+
+    Refused flags take any number of values so that the reason, not argparse's
+    arity error, is what the user sees.
+    """
+    known = set(parser._option_string_actions)
+    for option, flag in FLAGS.items():
+        if option in known or flag.status == W:
+            continue
+        if flag.status == L:
+            parser.add_argument(option, action=_Limited, default=flag.allowed[0], help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(option, action=_Refuse, nargs="*", default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
+
+
+def check_namespace(args: argparse.Namespace) -> None:
+    """Refuse a refused flag, or a limited one's other value, that came from a ``--config`` preset.
+
+    argparse calls no action for a preset's value, so this looks at the namespace:
+    a refused flag is there only when a preset set it (its default is suppressed).
+    """
+    for option, flag in FLAGS.items():
+        dest = option[2:].replace("-", "_")
+        if flag.status == W or not hasattr(args, dest):
+            continue
+        value = getattr(args, dest)
+        if flag.status == R or str(value) not in flag.allowed:
+            raise UsageError(f"--config: {_message(option, flag, value)}")
+
+
+def markdown_table() -> str:
+    """The flag table of docs/training.md."""
+    lines = ["| upstream flag | here | why / how it differs |", "|---|---|---|"]
+    for option, flag in sorted(FLAGS.items()):
+        status = flag.status if flag.status != L else "only " + ", ".join(f"`{v}`" for v in flag.allowed if v)
+        lines.append(f"| `{option}` | {status} | {flag.note} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the table for docs/training.md
+    print(markdown_table())

@@ -1,0 +1,368 @@
+"""Zero-shot classification during training, as open_clip's ``zero_shot_eval``, on local labelled images.
+
+Invariants: an evaluation sees every labelled image of its set once, in eval
+mode under no_grad on the unwrapped model, and leaves the model in train mode;
+the class embeddings are open_clip's (``build_zero_shot_classifier``: the mean
+of the normalised template embeddings), the logits ``100 * image @ classes``
+and top-1/top-5 open_clip's ``accuracy``. Metric names are upstream's
+(``imagenet-zeroshot-val-top1``, ``imagenetv2-zeroshot-val-top5``); a class
+list's set is ``NAME-zeroshot-val-top1``. A sample whose image or label cannot
+be read is skipped and counted in a warning; a set with no usable sample is an
+error.
+
+Labelled images come from webdataset shards (``--zeroshot-data``, each sample's
+label a ``.cls`` class index or, with ``json_label`` in the class list, a class
+name formatted from its ``.json`` fields) or from an ImageNet folder
+(``--imagenet-val``: class subfolders in sorted order; ``--imagenet-v2``:
+subfolders named by class index).
+"""
+import io
+import logging
+import os
+from pathlib import Path
+from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from ..errors import UsageError
+from .logs import LOGGER_NAME
+
+log = logging.getLogger(LOGGER_NAME)
+CLASS_LIST_DIR = Path(__file__).resolve().parent.parent / "class_lists"
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".ppm", ".pgm")
+IMAGENET_V2_SUBFOLDER = "imagenetv2-matched-frequency-format-val"  # where upstream's ImageNetV2Dataset looks
+SHOWN_PROBLEMS = 3
+
+
+def due(epoch: int, frequency: int, epochs: int) -> bool:
+    """Upstream's rule: every ``frequency`` epochs and after the last one; never when ``frequency`` is 0."""
+    return bool(frequency) and (epoch % frequency == 0 or epoch == epochs)
+
+
+def add_args(parser) -> None:
+    e = parser.add_argument_group("evaluation (open_clip's flags, and a local zero-shot set)")
+    e.add_argument("--val-frequency", type=int, default=1, metavar="N",
+                   help="held-out retrieval every N epochs and after the last (0: never)")
+    e.add_argument("--zeroshot-frequency", type=int, default=2, metavar="N",
+                   help="zero-shot classification every N epochs and after the last (0: never)")
+    e.add_argument("--zeroshot-classes", default=None, metavar="FILE",
+                   help="class list for --zeroshot-data: a YAML/JSON file with classnames and templates "
+                        "(or a name in naflex_accum/class_lists, e.g. demo-shapes)")
+    e.add_argument("--zeroshot-data", default=None, metavar="SHARDS",
+                   help="labelled webdataset shards for --zeroshot-classes (a '.cls' index, or '.json' fields, per "
+                        "sample); --val-data when not given")
+    e.add_argument("--imagenet-val", default=None, metavar="DIR",
+                   help="ImageNet val folder (one subfolder per class) for zero-shot")
+    e.add_argument("--imagenet-v2", default=None, metavar="DIR",
+                   help="ImageNetV2 folder (subfolders 0..999) for zero-shot")
+
+
+# ---- class lists ----------------------------------------------------------------------------------------------
+
+class ClassList(NamedTuple):
+    name: str
+    classnames: List[str]
+    templates: List[str]
+    json_label: Optional[str] = None  # e.g. "{colour} {shape}": a sample's class from its .json fields
+
+
+def resolve_class_list(spec: str) -> Path:
+    path = Path(spec)
+    if path.suffix.lower() not in (".yaml", ".yml", ".json"):
+        path = CLASS_LIST_DIR / f"{spec}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CLASS_LIST_DIR.glob("*.yaml")))
+        raise UsageError(f"--zeroshot-classes {spec!r}: no such file; built-in class lists are {known}, "
+                         f"or pass a YAML/JSON path")
+    return path
+
+
+def _string_list(data: dict, key: str, where: str) -> List[str]:
+    values = data.get(key)
+    if not isinstance(values, list) or not values or not all(isinstance(v, str) and v.strip() for v in values):
+        raise UsageError(f"{where}: '{key}' must be a non-empty list of non-empty strings")
+    return values
+
+
+def load_class_list(spec: str) -> ClassList:
+    """A class list: ``classnames``, ``templates`` (each with one '{}'), optional ``name`` and ``json_label``."""
+    import yaml
+
+    path = resolve_class_list(spec)
+    where = f"--zeroshot-classes {path}"
+    try:
+        data = yaml.safe_load(path.read_text())  # YAML reads JSON too
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where}: not valid YAML/JSON ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: expected a mapping with 'classnames' and 'templates'")
+    unknown = sorted(set(data) - {"name", "classnames", "templates", "json_label"})
+    if unknown:
+        raise UsageError(f"{where}: unknown keys {unknown}; valid keys: name, classnames, templates, json_label")
+    classnames, templates = _string_list(data, "classnames", where), _string_list(data, "templates", where)
+    if len(set(classnames)) != len(classnames):
+        raise UsageError(f"{where}: 'classnames' has duplicates")
+    if len(classnames) < 2:
+        raise UsageError(f"{where}: zero-shot classification needs at least 2 classnames")
+    bad = [t for t in templates if t.count("{}") != 1 or t.replace("{}", "").count("{")]
+    if bad:
+        raise UsageError(f"{where}: each template needs exactly one '{{}}' for the class name; got {bad[0]!r}")
+    json_label = data.get("json_label")
+    if json_label is not None and (not isinstance(json_label, str) or "{" not in json_label):
+        raise UsageError(f"{where}: 'json_label' must be a format string of .json fields, e.g. '{{colour}} {{shape}}'")
+    name = str(data.get("name") or path.stem)
+    return ClassList(name, classnames, templates, json_label)
+
+
+# ---- labelled images ------------------------------------------------------------------------------------------
+
+class Problems:
+    """Samples skipped in one pass: a count and the first few reasons."""
+
+    def __init__(self):
+        self.count, self.first = 0, []
+
+    def add(self, reason: str):
+        self.count += 1
+        if len(self.first) < SHOWN_PROBLEMS:
+            self.first.append(reason)
+
+
+class ShardSource:
+    """(image bytes, label) of webdataset shards; a label is the ``.cls`` index or ``json_label`` of the ``.json``."""
+
+    def __init__(self, urls: List[str], classes: ClassList, flag: str):
+        self.urls, self.classes, self.flag = urls, classes, flag
+        self.index = {c: i for i, c in enumerate(classes.classnames)}
+
+    def __len__(self):
+        return len(self.urls)
+
+    def label(self, sample: dict) -> int:
+        import json
+
+        if self.classes.json_label is not None:
+            if "json" not in sample:
+                raise ValueError("no .json member for json_label")
+            fields = json.loads(sample["json"])
+            name = self.classes.json_label.format(**fields)
+            if name not in self.index:
+                raise ValueError(f"label {name!r} is not in the class list")
+            return self.index[name]
+        if "cls" not in sample:
+            raise ValueError("no .cls member (a class index) and no json_label in the class list")
+        label = int(sample["cls"].decode().strip())
+        if not 0 <= label < len(self.index):
+            raise ValueError(f".cls {label} is outside 0..{len(self.index) - 1}")
+        return label
+
+    def items(self, worker: int, workers: int, problems: Problems) -> Iterator[Tuple[bytes, int]]:
+        from webdataset.tariterators import group_by_keys
+
+        from ..data.samples import IMAGE_EXTS, tar_members
+
+        for url in self.urls[worker::workers]:
+            members = ({"fname": name, "data": data, "__url__": url} for name, data in tar_members(url))
+            try:
+                for sample in group_by_keys(members):
+                    image = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
+                    try:
+                        if image is None:
+                            raise ValueError("no image member")
+                        label = self.label(sample)
+                    except (ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
+                        problems.add(f"{url} key {sample['__key__']!r}: {exc}")
+                        continue
+                    yield image, label
+            except Exception as exc:  # a truncated or garbage tar: keep what was read, report the rest
+                problems.add(f"{url}: unreadable shard ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})")
+
+
+class FolderSource:
+    """(image path, label) of an ImageNet-style folder: sorted class subfolders, or subfolders named by index."""
+
+    def __init__(self, root: str, flag: str, numeric: bool, num_classes: int):
+        if numeric and os.path.isdir(os.path.join(root, IMAGENET_V2_SUBFOLDER)):
+            root = os.path.join(root, IMAGENET_V2_SUBFOLDER)
+        if not os.path.isdir(root):
+            raise UsageError(f"{flag} {root}: no such folder")
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+        if numeric:
+            expected = [str(i) for i in range(num_classes)]
+            if sorted(classes, key=lambda c: (len(c), c)) != expected:
+                raise UsageError(f"{flag} {root}: expected subfolders 0..{num_classes - 1}, one per class; "
+                                 f"found {len(classes)} folders")
+        elif len(classes) != num_classes:
+            raise UsageError(f"{flag} {root}: expected {num_classes} class subfolders (in sorted synset order); "
+                             f"found {len(classes)}")
+        self.files = [(os.path.join(root, c, f), int(c) if numeric else i)
+                      for i, c in enumerate(classes) for f in sorted(os.listdir(os.path.join(root, c)))
+                      if f.lower().endswith(IMAGE_SUFFIXES)]
+        if not self.files:
+            raise UsageError(f"{flag} {root}: no images ({', '.join(IMAGE_SUFFIXES)}) in its class subfolders")
+
+    def __len__(self):
+        return len(self.files)
+
+    def items(self, worker: int, workers: int, problems: Problems) -> Iterator[Tuple[bytes, int]]:
+        for path, label in self.files[worker::workers]:
+            try:
+                with open(path, "rb") as f:
+                    yield f.read(), label
+            except OSError as exc:
+                problems.add(f"{path}: {exc}")
+
+
+class LabelledBatches(torch.utils.data.IterableDataset):
+    """``(NaFlex image batch, labels)`` of a source, built in the loader's workers; last yield is the problems."""
+
+    def __init__(self, source, seq_len: int, patch_size: int, batch_size: int):
+        super().__init__()
+        self.source, self.seq_len, self.patch_size, self.batch_size = source, seq_len, patch_size, batch_size
+
+    def __iter__(self):
+        from PIL import Image
+
+        from ..naflex import collate_uint8_patches, pil_to_patches
+
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        problems, items, labels = Problems(), [], []
+        for data, label in self.source.items(worker, workers, problems):
+            try:
+                with Image.open(io.BytesIO(data)) as image:
+                    items.append(pil_to_patches(image, self.seq_len, self.patch_size))
+            except Exception as exc:  # any undecodable image: skip and count it
+                problems.add(f"undecodable image ({type(exc).__name__}: {exc})")
+                continue
+            labels.append(label)
+            if len(items) == self.batch_size:
+                yield collate_uint8_patches(items, self.seq_len), torch.tensor(labels)
+                items, labels = [], []
+        if items:
+            yield collate_uint8_patches(items, self.seq_len), torch.tensor(labels)
+        yield None, problems
+
+
+# ---- evaluation -----------------------------------------------------------------------------------------------
+
+def accuracy(logits: torch.Tensor, target: torch.Tensor, topk=(1,)) -> List[float]:
+    """Correct predictions among the top k, for each k: open_clip's ``accuracy``.
+
+    open_clip_train 3.3.0's own copy fails under numpy 2 (``float`` of a one-element array), so it is not reused.
+    """
+    pred = logits.topk(max(topk), 1, True, True)[1].t()
+    correct = pred.eq(target.view(1, -1).expand_as(pred))
+    return [correct[:k].reshape(-1).float().sum().item() for k in topk]
+
+
+class ZeroShotSet(NamedTuple):
+    prefix: str  # metric names are f"{prefix}-zeroshot-val-top1" / "-top5"
+    classnames: List[str]
+    templates: List[str]
+    source: object
+    flag: str
+
+
+def image_sets(args) -> List[ZeroShotSet]:
+    """The zero-shot sets the flags ask for (validated, nothing read but folder listings)."""
+    sets = []
+    if args.zeroshot_classes:
+        from ..data import expand_urls
+
+        classes = load_class_list(args.zeroshot_classes)
+        flag = "--zeroshot-data" if args.zeroshot_data else "--val-data"
+        urls = expand_urls(args.zeroshot_data or args.val_data, flag)
+        sets.append(ZeroShotSet(classes.name, classes.classnames, classes.templates,
+                                ShardSource(urls, classes, flag), flag))
+    for flag, prefix, numeric in (("--imagenet-val", "imagenet", False), ("--imagenet-v2", "imagenetv2", True)):
+        root = getattr(args, flag[2:].replace("-", "_"))
+        if root:
+            from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
+
+            source = FolderSource(root, flag, numeric, len(IMAGENET_CLASSNAMES))
+            sets.append(ZeroShotSet(prefix, list(IMAGENET_CLASSNAMES), list(OPENAI_IMAGENET_TEMPLATES), source, flag))
+    return sets
+
+
+def validate(args) -> None:
+    if args.zeroshot_data and not args.zeroshot_classes:
+        raise UsageError("--zeroshot-data needs --zeroshot-classes FILE: the class names and prompt templates")
+    if args.zeroshot_classes:
+        load_class_list(args.zeroshot_classes)
+        if not (args.zeroshot_data or args.val_data):
+            raise UsageError("--zeroshot-classes needs labelled images: --zeroshot-data SHARDS (or --val-data)")
+
+
+class ZeroShot:
+    """Zero-shot top-1/top-5 of every set, when ``--zeroshot-frequency`` says so."""
+
+    def __init__(self, sets: List[ZeroShotSet], tokenizer, args, device):
+        self.sets, self.tokenizer, self.device = sets, tokenizer, device
+        self.frequency, self.epochs, self.workers = args.zeroshot_frequency, args.epochs, args.workers
+        self.seq_len = args.val_seq_len or max(args.naflex_seq_lens)
+        self.patch_size, self.batch_size = args.naflex_patch_sizes[0], args.val_batch_size
+
+    def batches(self, source) -> Iterator:
+        stream = LabelledBatches(source, self.seq_len, self.patch_size, self.batch_size)
+        workers = min(self.workers, len(source) // 2)  # a worker is worth starting only with work to share
+        if workers < 2:
+            return iter(stream)
+        return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers))
+
+    @torch.no_grad()
+    def evaluate_set(self, model, zs: ZeroShotSet, autocast) -> Tuple[float, float]:
+        from open_clip import build_zero_shot_classifier
+
+        with autocast():
+            classifier = build_zero_shot_classifier(model, self.tokenizer, zs.classnames, zs.templates,
+                                                    num_classes_per_batch=10, device=self.device)
+        top = (1, min(5, len(zs.classnames)))
+        correct, seen, skipped = [0.0, 0.0], 0, Problems()
+        for images, labels in self.batches(zs.source):
+            if images is None:  # a worker's skipped samples
+                skipped.count += labels.count
+                skipped.first += labels.first[:SHOWN_PROBLEMS - len(skipped.first)]
+                continue
+            images = {k: v.to(self.device, non_blocking=True) for k, v in images.items()}
+            with autocast():
+                features = model.encode_image(images, normalize=True)
+            logits = 100.0 * features.float() @ classifier.float()
+            for i, hits in enumerate(accuracy(logits, labels.to(self.device), topk=top)):
+                correct[i] += hits
+            seen += len(labels)
+        if skipped.count:
+            log.warning(f"{zs.flag}: skipped {skipped.count} samples; first: {'; '.join(skipped.first)}")
+        if not seen:
+            raise UsageError(f"{zs.flag}: no usable labelled images for zero-shot classification")
+        return correct[0] / seen, correct[1] / seen
+
+    def __call__(self, task, epoch: int, autocast) -> Dict[str, float]:
+        from ..tasks import unwrap
+
+        if not due(epoch, self.frequency, self.epochs):
+            return {}
+        model = unwrap(task.trainable_module)
+        was_training = model.training
+        model.eval()
+        metrics = {}
+        try:
+            for zs in self.sets:
+                top1, top5 = self.evaluate_set(model, zs, autocast)
+                metrics[f"{zs.prefix}-zeroshot-val-top1"] = top1
+                metrics[f"{zs.prefix}-zeroshot-val-top5"] = top5
+        finally:
+            model.train(was_training)
+        return metrics
+
+
+def make_zero_shot(args, model, world, device) -> Optional[ZeroShot]:
+    """The run's zero-shot evaluator on rank 0 (None elsewhere, or when no set is asked for)."""
+    if not world.is_master:
+        return None
+    sets = image_sets(args)
+    if not sets:
+        return None
+    from open_clip.tokenizer import SimpleTokenizer
+
+    return ZeroShot(sets, SimpleTokenizer(context_length=model.context_length), args, device)
