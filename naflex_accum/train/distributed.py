@@ -56,6 +56,27 @@ class World:
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast_object(self, obj):
+        """Rank 0's ``obj`` on every rank (``obj`` itself in one process)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=_collective_device())
+        return box[0]
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place all-reduce sum of one (packed) tensor; one collective, no host sync."""
+        if self.distributed:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def min_int(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (one all-reduce; the flag itself in one process)."""
         if not self.distributed:
