@@ -2,6 +2,7 @@
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -95,17 +96,27 @@ def test_mid_epoch_resume_with_other_schedule_settings_is_refused(setup, tmp_pat
     assert not (tmp_path / "b").exists()
 
 
-def test_run_folder_held_by_a_live_process(setup, tmp_path, capsys):
-    from naflex_accum.train.rundir import RunLock
+HOLDER = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+os.write(fd, b"host test pid %d" % os.getpid())
+print("locked", flush=True)
+time.sleep(120)
+"""
 
+
+def test_run_folder_held_by_a_live_process(setup, tmp_path, capsys):
     shards, model = setup
     (tmp_path / "held").mkdir()
-    lock = RunLock(tmp_path / "held/.lock").acquire()  # another open file: flock conflicts as with a process
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "held/.lock")], stdout=subprocess.PIPE,
+                              text=True)
     try:
+        assert holder.stdout.readline().strip() == "locked"
         exit_2_one_line(capsys, run_argv(shards, model, tmp_path, "held", "--resume", "latest"),
-                        "is in use by another live process", f"pid {os.getpid()}")
+                        "is in use by another live process", f"pid {holder.pid}")
     finally:
-        lock.release()
+        holder.kill()
+        holder.wait(timeout=30)
     assert sorted(p.name for p in (tmp_path / "held").iterdir()) == [".lock"]
 
 

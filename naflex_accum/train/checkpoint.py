@@ -42,15 +42,46 @@ class WriteError(UsageError):
         super().__init__(f"cannot write {path}: {reason}")
 
 
+class _Writer:
+    """A file for ``torch.save`` that writes every byte or keeps the OS error.
+
+    torch's zip writer reports a failed write as ``unexpected pos``; the kept error says what happened.
+    """
+
+    def __init__(self, fd: int):
+        self.fd, self.error = fd, None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        return size
+
+    def flush(self) -> None:
+        pass
+
+
 def save_checkpoint(path: Path, payload: dict) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        writer = _Writer(fd)
+        try:
+            torch.save(payload, writer)
+            os.fsync(fd)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except OSError as exc:

@@ -1,9 +1,11 @@
 """The run folder, open_clip's layout: ``logs/NAME/{out.log, params.txt, tensorboard/, checkpoints/}``.
 
 Invariants: one live process (rank 0 of one run) holds a folder at a time,
-through an exclusive ``flock`` on ``logs/NAME/.lock`` that the kernel drops
-when the process dies, so a second run with the same name exits 2 and a run
-killed with -9 leaves nothing that blocks its restart; an existing folder is
+through an exclusive POSIX lock (``fcntl.lockf``) on ``logs/NAME/.lock`` that
+the kernel drops when the process dies, so a second run with the same name
+exits 2 and a run killed with -9 leaves nothing that blocks its restart (a
+POSIX lock, unlike ``flock``, is not shared with the data-loader workers the
+process forks, and works over NFS); an existing folder is
 never reused without ``--resume``; rank 0 alone decides (name, checkpoint to
 resume, folder errors) and every rank acts on its decision; the folder is
 created only after every setting has been checked.
@@ -84,7 +86,10 @@ def on_master(world, fn, *args):
 
 
 class RunLock:
-    """An exclusive ``flock`` on the folder's ``.lock``, held until ``release`` or the process's death."""
+    """An exclusive lock on the folder's ``.lock``, held until ``release`` or the process's death.
+
+    The process must not open and close ``.lock`` elsewhere: closing any descriptor of the file drops a
+    POSIX lock."""
 
     def __init__(self, path: Path):
         self.path, self.fd = Path(path), None
@@ -95,11 +100,11 @@ class RunLock:
         except OSError as exc:
             raise WriteError(self.path, exc) from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
                 raise UsageError(f"run folder {self.path.parent} is in use by another live process ({holder}); "
                                  f"wait for it to end or stop it (logs/NAME/STOP), or choose another --name") \
                     from None
