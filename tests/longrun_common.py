@@ -31,12 +31,13 @@ def dropout_model(folder: Path) -> str:
 
 
 def run_argv(shards, model_json, logs, name, *extra, epochs=2, samples=128, workers=1):
-    """4 optimizer steps per epoch (2 microbatches of 16 each)."""
+    """4 optimizer steps per epoch (2 microbatches of 16 each); ``logs`` None: no --logs/--name (a launcher's)."""
+    folder = ["--logs-dir", str(logs), "--name", name] if logs is not None else []  # torchrun refuses --logs
     return ["--train-data", shards.train, "--model", model_json, "--naflex-seq-lens", "16",
             "--naflex-max-tokens-per-batch", "256", "--naflex-batch-divisor", "1", "--train-num-samples",
             str(samples), "--epochs", str(epochs), "--workers", str(workers), "--device", "cpu", "--lr", "1e-3",
             "--warmup", "2", "--accum-freq", "2", "--naflex-loss-scale", "sqrt", "--batch-size", "8",
-            "--logs", str(logs), "--name", name, "--log-every-n-steps", "1", *extra]
+            *folder, "--log-every-n-steps", "1", *extra]
 
 
 def train_in_process(argv):

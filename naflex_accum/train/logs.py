@@ -143,12 +143,13 @@ class RunLogger:
             f"Data (t): {info['data_time']:.3f} Batch (t): {batch_time:.3f}, {sps:#g}/s, {tps:#g} tok/s "
             f"LR: {info['lr']:5f} Logit Scale: {info['logit_scale']:.3f} {losses}")
 
-    def end_epoch(self):
-        if self.is_master and "loss" in self.loss_meters:
+    def end_epoch(self, complete: bool = True):
+        """The epoch's averages (``complete``), or nothing for an epoch left by a stop request."""
+        if self.is_master and complete and "loss" in self.loss_meters:
             self.epoch_losses.append(self.loss_meters["loss"].avg)
             summary = "  ".join(f"Avg {k.capitalize()}: {m.avg:#.5g}" for k, m in self.loss_meters.items())
             self.log.info(f"End epoch | {summary}")
-            self.loss_meters = {}
+        self.loss_meters = {}
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -161,7 +162,7 @@ class RunLogger:
         self._scalars("val", metrics, global_step)
 
     def close(self):
-        self.end_epoch()
+        self.end_epoch(complete=False)  # an epoch still open here was left by an error
         if self.writer is not None:
             writer, self.writer = self.writer, None
             try:

@@ -132,7 +132,7 @@ def after_step(state, loop: Loop, done: int, num_steps: int, sizes, lr, epoch_sa
         loop.logger.step(state.epoch, done, num_steps, state.global_step, info, samples_per_epoch, log_now)
     if check.stop:
         state.step_in_epoch = done
-        loop.logger.end_epoch()
+        loop.logger.end_epoch(complete=False)
         raise Preempted(done)
     if save_now:
         state.step_in_epoch = done

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from .checkpoint import prune_step_checkpoints, save_checkpoint
+from .monitor import host_read
 from .resume import epoch_payload, gather_rng_states, mid_epoch_payload, weights_finite
 from .rundir import on_master
 
@@ -62,9 +63,10 @@ class Saver:
         self._write(path, lambda: mid_epoch_payload(state, self.model, self.args, self.world, rng_states))
 
     def _write(self, path: Path, make_payload) -> None:
-        if not weights_finite(self.model):
-            raise NonFiniteWeights(path)
-        on_master(self.world, self._write_on_master, path, make_payload)
+        with host_read():  # a save reads the device (the weights check, the state to the CPU) by design
+            if not weights_finite(self.model):
+                raise NonFiniteWeights(path)
+            on_master(self.world, self._write_on_master, path, make_payload)
         self.last_good = path
 
     def _write_on_master(self, path: Path, make_payload) -> None:
