@@ -103,21 +103,22 @@ def test_resume_latest_skips_damaged_files_and_removes_stale_temps(setup, tmp_pa
     assert "Removed" in capsys.readouterr().out
 
 
-def test_nonfinite_loss_stops_without_saving_nan(setup, tmp_path, capsys):
+@pytest.mark.parametrize("saves", [("--save-every-n-steps", "1"), ("--save-frequency", "0")])
+def test_nonfinite_loss_stops_without_saving_nan(setup, tmp_path, capsys, saves):
+    """--lr 1e8 diverges within a few steps; the loss check stops the run even where no save would."""
     shards, model, _ = setup
-    code = cli_main(["train", *run_argv(shards, model, tmp_path, "nan", "--lr", "1e8", "--warmup", "0",
-                                        "--save-every-n-steps", "1", "--log-every-n-steps", "100",
-                                        "--check-every-n-steps", "3")])
+    code = cli_main(["train", *run_argv(shards, model, tmp_path, "nan", "--lr", "1e8", "--warmup", "0", *saves,
+                                        "--log-every-n-steps", "100", "--check-every-n-steps", "3")])
     out = capsys.readouterr().out
     assert code == 3
     lines = [line for line in out.splitlines() if "Non-finite loss" in line]
     assert len(lines) == 1 and "optimizer step" in lines[0] and "last good checkpoint" in lines[0], out[-2000:]
+    assert "End epoch" not in out  # nothing else is said about the broken epoch
     saved = sorted((tmp_path / "nan/checkpoints").iterdir())
     for path in saved:
         state = torch.load(path, weights_only=True)["state_dict"]
         assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), path
-    if saved:
-        assert str(saved[-1]) in lines[0] or saved[-1].name in lines[0]
+    assert (saved[-1].name if saved else "none (this run saved nothing yet)") in lines[0]
     print(lines[0])
 
 

@@ -110,10 +110,11 @@ def _resume(state, model, claim, args, world) -> None:
 
 def _nonfinite_message(step: int, num_steps: int, saver: Saver) -> str:
     epoch, in_epoch = (step - 1) // num_steps, (step - 1) % num_steps + 1
-    last = saver.last_good or "none (this run saved nothing yet)"
+    advice = "a lower --lr, a --grad-clip-norm or another --precision"
+    then = f"last good checkpoint: {saver.last_good}; resume it with --resume and {advice}" if saver.last_good \
+        else f"last good checkpoint: none (this run saved nothing yet); start again with {advice}"
     return (f"Non-finite loss at optimizer step {step} (epoch {epoch}, step {in_epoch}/{num_steps}): stopped "
-            f"without saving; last good checkpoint: {last}; resume it with --resume and a lower --lr, "
-            f"a --grad-clip-norm or another --precision (exit {EXIT_NONFINITE})")
+            f"without saving; {then} (exit {EXIT_NONFINITE})")
 
 
 def run(args, world, device) -> dict:
