@@ -40,6 +40,22 @@ def run_argv(shards, model_json, logs, name, *extra, epochs=2, samples=128, work
             *folder, "--log-every-n-steps", "1", *extra]
 
 
+def reference(tmp_path_factory):
+    """(shards, model json, final weights of the uninterrupted run), made once per test session."""
+    from types import SimpleNamespace
+
+    folder = tmp_path_factory.getbasetemp() / "longrun-reference"
+    done = folder / "weights.pt"
+    if not done.exists():
+        folder.mkdir(exist_ok=True)
+        shards, model = make_shards(folder), dropout_model(folder)
+        train_in_process(run_argv(shards, model, folder / "logs", "whole"))
+        torch.save({"train": shards.train, "val": shards.val, "model": model,
+                    "weights": weights(folder / "logs/whole/checkpoints/epoch_2.pt")}, done)
+    saved = torch.load(done, weights_only=True)
+    return SimpleNamespace(train=saved["train"], val=saved["val"]), saved["model"], saved["weights"]
+
+
 def train_in_process(argv):
     from naflex_accum.train.main import train
     return train(argv)

@@ -133,14 +133,13 @@ def test_openclip_job_is_requeued_from_the_trap(tmp_path):
     assert "-m naflex_accum.openclip --name clip-4242 --resume latest --use-naflex" in (tmp_path / "srun.args").read_text()
 
 
-def test_builtin_job_preempted_by_slurm_requeues_and_resumes_exactly(tmp_path):
+def test_builtin_job_preempted_by_slurm_requeues_and_resumes_exactly(tmp_path, tmp_path_factory):
     """The real trainer under the real script and torchrun; only srun (run its command here) and scontrol are
     fake. SIGUSR1 mid-run: the trainer saves inside the epoch, the job is requeued; the requeued job
     resumes and ends with the weights of an uninterrupted run."""
-    from longrun_common import assert_identical, dropout_model, make_shards, run_argv, train_in_process, weights
+    from longrun_common import assert_identical, reference, run_argv, weights
 
-    shards, model = make_shards(tmp_path), dropout_model(tmp_path)
-    train_in_process(run_argv(shards, model, tmp_path / "ref", "whole"))
+    shards, model, whole = reference(tmp_path_factory)
     env = {**fake_slurm(tmp_path, 'shift 2\nexec "$@"'), "NGPU": "1", "SLURM_NNODES": "1",
            "RDZV_PORT": str(_free_port())}
     argv = run_argv(shards, model, None, None, "--check-every-n-steps", "1")
@@ -163,8 +162,7 @@ def test_builtin_job_preempted_by_slurm_requeues_and_resumes_exactly(tmp_path):
     out, _ = requeued.communicate(timeout=180)
     assert requeued.returncode == 0, out[-3000:]
     assert "resumed from" in log.read_text() and "requeue" not in calls(tmp_path)
-    assert_identical(weights(tmp_path / "logs/clip-4242/checkpoints/epoch_2.pt"),
-                     weights(tmp_path / "ref/whole/checkpoints/epoch_2.pt"))
+    assert_identical(weights(tmp_path / "logs/clip-4242/checkpoints/epoch_2.pt"), whole)
 
 
 def _free_port() -> int:

@@ -5,8 +5,7 @@ import signal
 import pytest
 import torch
 
-from longrun_common import (assert_identical, dropout_model, make_shards, run_argv, signal_at, train_in_process,
-                            weights)
+from longrun_common import assert_identical, reference, run_argv, signal_at, train_in_process, weights
 from naflex_accum.cli import main as cli_main
 from naflex_accum.errors import UsageError
 from naflex_accum.train.checkpoint import load_payload, newest_loadable
@@ -16,10 +15,7 @@ from naflex_accum.train.preempt import EXIT_STOPPED
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """Shards, the dropout model and the uninterrupted run's final weights (2 epochs x 4 steps)."""
-    folder = tmp_path_factory.mktemp("longrun")
-    shards, model = make_shards(folder), dropout_model(folder)
-    train_in_process(run_argv(shards, model, folder / "logs", "whole"))
-    return shards, model, weights(folder / "logs/whole/checkpoints/epoch_2.pt")
+    return reference(tmp_path_factory)
 
 
 def ckpt_names(root):
@@ -57,7 +53,8 @@ def test_one_step_epochs_stop(setup, tmp_path, monkeypatch):
     monkeypatch.undo()
     assert first["exit_code"] == EXIT_STOPPED and first["global_step"] == 2
     train_in_process(run_argv(shards, model, tmp_path, "cut1", *args, "--resume", "latest"))
-    assert_identical(weights(tmp_path / "cut1/checkpoints/epoch_3.pt"), weights(tmp_path / "whole1/checkpoints/epoch_3.pt"))
+    assert_identical(weights(tmp_path / "cut1/checkpoints/epoch_3.pt"),
+                     weights(tmp_path / "whole1/checkpoints/epoch_3.pt"))
 
 
 def test_step_checkpoints_retention_and_exact_resume(setup, tmp_path):

@@ -1,12 +1,14 @@
 """Two processes (torchrun, gloo, CPU): the loop's collectives per optimizer step, and a stop request that
-reaches one rank only."""
+reaches one rank only. (Resuming is the same code per rank as in one process: test_longrun.py.)"""
 import json
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
-from longrun_common import SUBPROCESS_ENV, dropout_model, make_shards, run_argv
+import torch
+
+from longrun_common import SUBPROCESS_ENV, reference, run_argv
 
 TESTS = Path(__file__).resolve().parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -23,8 +25,8 @@ def run_ranks(argv, events_dir: Path, **env):
     return proc, ranks
 
 
-def test_one_packed_check_per_step_at_most_and_every_rank_stops_at_the_same_step(tmp_path):
-    shards, model = make_shards(tmp_path), dropout_model(tmp_path)
+def test_one_packed_check_per_step_at_most_and_every_rank_stops_at_the_same_step(tmp_path, tmp_path_factory):
+    shards, model, _ = reference(tmp_path_factory)
     # 256 samples over 2 ranks: 4 steps of 2 microbatches per epoch; checks at steps 1 (log), 3 (every 3),
     # 4 (last of epoch 0), 5 (log), 6 (every 3), 8 (last of epoch 1), never at 2 or 7.
     argv = run_argv(shards, model, tmp_path / "logs", "ddp", "--check-every-n-steps", "3", "--log-every-n-steps",
@@ -39,11 +41,7 @@ def test_one_packed_check_per_step_at_most_and_every_rank_stops_at_the_same_step
         assert checks == [1, 3, 4, 5, 6, 8]
         assert per_step[0] == 1  # the first window's sizes agree across ranks (once per run)
         assert all(n <= 1 for step, n in per_step.items() if step > 0)
-    mid = __import__("torch").load(tmp_path / "logs/ddp/checkpoints/epoch_latest.pt", weights_only=True)
+    mid = torch.load(tmp_path / "logs/ddp/checkpoints/epoch_latest.pt", weights_only=True)
     assert (mid["epoch"], mid["step_in_epoch"], mid["global_step"], len(mid["rng_states"])) == (1, 4, 8, 2)
     log = (tmp_path / "logs/ddp/out.log").read_text()
     assert "Stopped on request (another rank's request) after step 4 of epoch 1" in log
-
-    proc, ranks = run_ranks([*argv, "--resume", "latest"], tmp_path / "ev2")
-    assert proc.returncode == 0 and [r["exit_code"] for r in ranks] == [0, 0], proc.stderr[-3000:]
-    assert (tmp_path / "logs/ddp/checkpoints/epoch_2.pt").is_file()

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from longrun_common import (SUBPROCESS_ENV, assert_identical, dropout_model, make_shards, run_argv, trainer_cmd,
-                            train_in_process, weights)
+from longrun_common import (SUBPROCESS_ENV, assert_identical, reference, run_argv, train_in_process, trainer_cmd,
+                            weights)
 from naflex_accum.train.preempt import EXIT_STOPPED
 
 SEED = int(os.environ.get("NAFLEX_FAULT_SEED", time.time_ns() % 10_000))
@@ -18,10 +18,7 @@ SEED = int(os.environ.get("NAFLEX_FAULT_SEED", time.time_ns() % 10_000))
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("faults")
-    shards, model = make_shards(folder), dropout_model(folder)
-    train_in_process(run_argv(shards, model, folder / "logs", "whole"))
-    return shards, model, weights(folder / "logs/whole/checkpoints/epoch_2.pt")
+    return reference(tmp_path_factory)
 
 
 def start(argv, log_path: Path, **kw):

@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from longrun_common import dropout_model, make_shards, run_argv, train_in_process
+from longrun_common import reference, run_argv, train_in_process
 from naflex_accum.cli import main as cli_main
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("settings")
-    return make_shards(folder), dropout_model(folder)
+    shards, model, _ = reference(tmp_path_factory)
+    return shards, model
 
 
 def exit_2_one_line(capsys, argv, *needles):
