@@ -139,7 +139,7 @@ def _run(args, world, device, claim) -> dict:
         _resume(state, model, claim, args, world)
     create_run_folder(claim, args, world)  # everything above is checked: only now is the folder made or changed
     setup_logging(paths.log_file if world.is_master else None, world.is_master)
-    stop = StopRequest(paths.stop_file, world)  # before the loader starts workers, which inherit the handlers
+    stop = StopRequest(paths.stop_file, world)
     stop.clear()
     saver = Saver(paths, args, world, model, last_good=claim.resume)
     run_logger = RunLogger(log, world.is_master, paths.tensorboard if args.report_to == "tensorboard" else None)

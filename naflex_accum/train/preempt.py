@@ -7,10 +7,10 @@ checkpoint describes one consistent state; the process then exits with
 ``EXIT_STOPPED``. Requests are SIGTERM (SLURM's preemption, ``scancel`` and
 time limit; Kubernetes' eviction), SIGUSR1 (``sbatch --signal``), or a ``STOP``
 file in the run folder (what launch/slurm.sbatch writes, since torchrun does not
-forward SIGUSR1 to its workers). The handlers are installed before the data
-loader starts its workers, which inherit them, so a signal sent to the whole
-process group does not kill a worker under the trainer; the previous handlers
-come back when the run ends.
+forward SIGUSR1 to its workers). The data loader's workers ignore both
+signals, so one sent to the whole process group (as SLURM sends it) does not
+kill a worker under the trainer; the previous handlers come back when the run
+ends.
 """
 import signal
 import threading
