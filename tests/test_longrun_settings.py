@@ -27,7 +27,7 @@ def exit_2_one_line(capsys, argv, *needles):
 
 
 @pytest.mark.parametrize("yaml_text,needles", [
-    ("epochs: 2\naccum-freq: [2\n", ["YAML syntax error at line 3", "p.yaml"]),
+    ("epochs: 2\naccum-freq: [2\n", ["YAML syntax error at line 3", "p.yaml", "sequence at line 2, column 13"]),
     ("epochs: 2.5\n", ["epochs: argument --epochs: invalid int value: '2.5'"]),
     ("precision: bf16\n", ["--precision bf16", "amp_bf16"]),
     ("precision: pure_fp16\n", ["--precision pure_fp16", "float16"]),

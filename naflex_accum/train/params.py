@@ -108,10 +108,13 @@ def _read_yaml(config_path: Path):
         with open(config_path) as f:
             return yaml.safe_load(f) or {}
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        def at(mark):
+            return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UsageError(f"--config {config_path}: YAML syntax error{where}: {problem}") from None
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        opened = f" ({context}{at(start)})" if context and start is not None else ""
+        raise UsageError(f"--config {config_path}: YAML syntax error{at(getattr(exc, 'problem_mark', None))}: "
+                         f"{problem}{opened}") from None
     except OSError as exc:
         raise UsageError(f"--config {config_path}: cannot read it ({exc.strerror})") from None
 
