@@ -111,9 +111,13 @@ class RunLock:
             log.warning(f"{self.path}: this file system cannot lock files ({exc.strerror}); "
                         f"nothing stops a second run from using the folder at the same time")
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode())
         self.fd = fd
+        try:  # who holds it, for the message a second run prints
+            os.ftruncate(fd, 0)
+            os.write(fd, f"host {socket.gethostname()} pid {os.getpid()}\n".encode())
+        except OSError as exc:
+            self.release()
+            raise WriteError(self.path, exc) from None
         return self
 
     def release(self) -> None:
