@@ -79,12 +79,11 @@ class StepMonitor:
 
     def check(self, stop_requested: bool) -> Check:
         """One packed all-reduce and one read: the stop vote, the non-finite guard and the steps' numbers."""
-        host = torch.tensor([float(self.tokens), float(stop_requested)], dtype=torch.float64)
-        bad = (self.first_bad != NONE_BAD).double().reshape(1)
-        parts = [host.to(self.device, non_blocking=True), bad]
-        if self.steps:
-            parts = [self.last, self.sums, *[r.reshape(1) for r in self.report]] + parts
         with host_read():
+            host = torch.tensor([float(self.tokens), float(stop_requested)], dtype=torch.float64)
+            parts = [host.to(self.device, non_blocking=True), (self.first_bad != NONE_BAD).double().reshape(1)]
+            if self.steps:
+                parts = [self.last, self.sums, *[r.reshape(1) for r in self.report]] + parts
             values = self.world.sum_(torch.cat(parts)).tolist()
             if values[-1] > 0:
                 raise NonFiniteLoss(self.world.min_int(int(self.first_bad)))
