@@ -52,3 +52,24 @@ class RngState:
             for device, state in zip(self.devices, self.cuda):
                 torch.cuda.set_rng_state(state, device)
             yield
+
+
+# ---- a process's random state in a checkpoint (the training loop's save and resume) --------------------
+
+
+def current_rng_state() -> RngState:
+    """This process's state: the CPU generator and, once CUDA is in use, the current device's."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return RngState([torch.cuda.current_device()] if cuda else [])
+
+
+def rng_state_dict(state: RngState) -> dict:
+    """``state`` as plain tensors and ints, which ``torch.load(weights_only=True)`` reads back."""
+    return {"cpu": state.cpu, "cuda": list(state.cuda), "cuda_devices": list(state.devices)}
+
+
+def load_rng_state_dict(saved: dict) -> None:
+    """Set this process's random state to ``saved`` (the current CUDA device takes the saved device's state)."""
+    torch.set_rng_state(saved["cpu"])
+    if saved.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state(saved["cuda"][0], torch.cuda.current_device())

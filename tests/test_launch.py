@@ -73,24 +73,100 @@ def test_slurm_srun_dry_run():
     assert "srun --cpu-bind=v --accel-bind=gn" in proc.stdout and "--name clip-4242 --resume latest" in proc.stdout
 
 
-def test_usr1_asks_the_trainer_to_save_and_requeues(tmp_path):
-    """Fake srun (waits for the STOP file, as the trainer would) and scontrol (records calls)."""
+def fake_slurm(tmp_path, srun_body: str) -> dict:
+    """A bin folder with a fake ``srun`` (``srun_body``, its argv saved to srun.args) and ``scontrol``
+    (calls saved to scontrol.calls; ``show hostnames`` prints localhost); the environment to run under."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    calls = tmp_path / "scontrol.calls"
-    (bin_dir / "srun").write_text(f"#!/bin/sh\nwhile [ ! -f {tmp_path}/logs/clip-4242/STOP ]; do sleep 0.1; done\n"
-                                  f"echo saved > {tmp_path}/saved\n")
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n"
-                                      "[ \"$1\" = show ] && echo gpu07\nexit 0\n")
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/srun.args\n{srun_body}\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.calls\n'
+                                      '[ "$1" = show ] && echo localhost\nexit 0\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = {**os.environ, **SLURM, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOGS": str(tmp_path / "logs"),
-           "PYTHON": sys.executable}
-    proc = subprocess.Popen(["bash", str(LAUNCH / "slurm.sbatch")], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return {**os.environ, **SLURM, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOGS": str(tmp_path / "logs"),
+            "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def start_job(env, *args, cwd):
+    return subprocess.Popen(["bash", str(LAUNCH / "slurm.sbatch"), *args], env=env, cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def calls(tmp_path) -> str:
+    path = tmp_path / "scontrol.calls"
+    return path.read_text() if path.exists() else ""
+
+
+def test_usr1_asks_the_trainer_to_save_and_requeues(tmp_path):
+    """Fake srun that stops once the STOP file appears, as the trainer does."""
+    env = fake_slurm(tmp_path, f"while [ ! -f {tmp_path}/logs/clip-4242/STOP ]; do sleep 0.1; done\n"
+                               f"echo saved > {tmp_path}/saved\nexit 75")
+    proc = start_job(env, cwd=tmp_path)
     time.sleep(1.0)
     proc.send_signal(signal.SIGUSR1)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 75, out
     assert "SIGUSR1" in out and (tmp_path / "saved").is_file()
-    assert "requeue 4242" in calls.read_text()
+    assert "requeue 4242" in calls(tmp_path) and "exited with status 75 after SIGUSR1" in out
+
+
+def test_builtin_trainer_that_does_not_stop_is_requeued_after_the_grace_period(tmp_path):
+    env = fake_slurm(tmp_path, "trap '' USR1; exec sleep 120")
+    proc = start_job({**env, "GRACE": "2"}, cwd=tmp_path)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert (tmp_path / "logs/clip-4242/STOP").is_file()
+    assert "had not stopped 2s after SIGUSR1" in out and calls(tmp_path).count("requeue 4242") == 1
+
+
+def test_openclip_job_is_requeued_from_the_trap(tmp_path):
+    """Upstream's trainer reads no STOP file: requeue at once; every start resumes with --resume latest."""
+    env = {**fake_slurm(tmp_path, "exec sleep 120"), "TRAINER": "openclip"}
+    proc = start_job(env, "--use-naflex", cwd=tmp_path)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert calls(tmp_path).count("requeue 4242") == 1, out
+    assert "upstream's trainer resumes from its last checkpoint" in out
+    assert not (tmp_path / "logs").exists()  # no STOP file: upstream would not read it
+    assert "-m naflex_accum.openclip --name clip-4242 --resume latest --use-naflex" in (tmp_path / "srun.args").read_text()
+
+
+def test_builtin_job_preempted_by_slurm_requeues_and_resumes_exactly(tmp_path, tmp_path_factory):
+    """The real trainer under the real script and torchrun; only srun (run its command here) and scontrol are
+    fake. SIGUSR1 mid-run: the trainer saves inside the epoch, the job is requeued; the requeued job
+    resumes and ends with the weights of an uninterrupted run."""
+    from longrun_common import assert_identical, reference, run_argv, weights
+
+    shards, model, whole = reference(tmp_path_factory)
+    env = {**fake_slurm(tmp_path, 'shift 2\nexec "$@"'), "NGPU": "1", "SLURM_NNODES": "1",
+           "RDZV_PORT": str(_free_port())}
+    argv = run_argv(shards, model, None, None, "--check-every-n-steps", "1")
+    log = tmp_path / "logs/clip-4242/out.log"
+    proc = start_job(env, *argv, cwd=tmp_path)
+    try:
+        deadline = time.time() + 120
+        while not (log.exists() and "Train Epoch: 0" in log.read_text()) and time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Stopped on request (the STOP file) after step" in log.read_text(), out[-3000:]
+    assert "requeue 4242" in calls(tmp_path)
+    (tmp_path / "scontrol.calls").unlink()
+    requeued = start_job(env, *argv, cwd=tmp_path)  # SLURM starts the same job again
+    out, _ = requeued.communicate(timeout=180)
+    assert requeued.returncode == 0, out[-3000:]
+    assert "resumed from" in log.read_text() and "requeue" not in calls(tmp_path)
+    assert_identical(weights(tmp_path / "logs/clip-4242/checkpoints/epoch_2.pt"), whole)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]

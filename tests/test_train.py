@@ -161,43 +161,6 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
 
 
-def test_stop_inside_an_epoch_then_resume_matches_uninterrupted(shards, tmp_path, monkeypatch):
-    """A stop request (SIGUSR1 or logs/NAME/STOP) saves epoch_latest.pt; --resume latest finishes identically.
-
-    The model has patch dropout, so the saved random state matters.
-    """
-    import json
-
-    from naflex_accum.models import load_config
-    from naflex_accum.train import preempt
-
-    config = load_config("naflex-tiny")
-    config["vision_cfg"]["patch_dropout"] = 0.3
-    model_json = tmp_path / "tiny-dropout.json"
-    model_json.write_text(json.dumps(config))
-    extra = ("--model", str(model_json), "--accum-freq", "2", "--naflex-loss-scale", "sqrt", "--batch-size", "8")
-    train(argv(shards, tmp_path, "whole", *extra))
-
-    calls = {"n": 0}
-
-    def stop_after_three(self):
-        calls["n"] += 1
-        return calls["n"] == 3 + 3  # asked after every step but the last of an epoch: epoch 2, step 3
-
-    monkeypatch.setattr(preempt.StopRequest, "requested", stop_after_three)
-    first = train(argv(shards, tmp_path, "cut", *extra))
-    ckpts = tmp_path / "cut" / "checkpoints"
-    assert first["preempted"] and (ckpts / "epoch_latest.pt").is_file() and not (ckpts / "epoch_2.pt").exists()
-    mid = torch.load(ckpts / "epoch_latest.pt", weights_only=False)
-    assert (mid["epoch"], mid["step_in_epoch"], mid["global_step"]) == (1, 3, 7)
-    monkeypatch.undo()
-    second = train(argv(shards, tmp_path, "cut", *extra, "--resume", "latest"))
-    assert second["epoch"] == 2 and not second["preempted"]
-    assert not (ckpts / "epoch_latest.pt").exists()
-    assert_same_weights(final_weights(ckpts / "epoch_2.pt"), final_weights(tmp_path / "whole/checkpoints/epoch_2.pt"),
-                        atol=0.0)
-
-
 def test_stop_file_is_cleared_on_start(shards, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "STOP").write_text("")

@@ -94,4 +94,4 @@ def main(argv, prog="naflex-accum demo") -> int:
                     "--logs", args.logs, "--name", name, *train_flags], "naflex-accum demo")
     summarize(result)
     print_footer(result)
-    return 0
+    return result["exit_code"]

@@ -8,6 +8,7 @@ including corrupt samples reported by workers, which are also logged (the
 first ``LOG_LIMIT`` distinct ones of an epoch individually, then a summary).
 """
 import logging
+import signal
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -62,11 +63,19 @@ class _Counter:
                         self.stats["samples"])
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """The trainer's main process decides when a run stops (finish the step, save, exit): a SIGTERM or
+    SIGUSR1 sent to the whole process group (SLURM, Kubernetes) must not kill a worker under it."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _iterate(dataset, workers: int, pin_memory: bool) -> Iterator:
     if workers == 0:
         return iter(dataset)
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
-                                         collate_fn=_passthrough, pin_memory=pin_memory)
+                                         collate_fn=_passthrough, pin_memory=pin_memory,
+                                         worker_init_fn=_ignore_stop_signals)
     return iter(loader)
 
 

@@ -1,110 +1,214 @@
-"""Run folders and checkpoints in open_clip's layout: ``logs/NAME/{out.log, params.txt, tensorboard/, checkpoints/epoch_K.pt}``.
+"""Checkpoint files: atomic writes, safe reads, the newest loadable one, retention.
 
-Invariants: a checkpoint file is either the old one or the complete new one
-(written to a temporary file in the same folder, then ``os.replace``d); an
-existing run folder is never reused without ``--resume``; ``--resume latest``
-picks the newest state (``epoch_latest.pt`` from a stop inside an epoch, else
-the highest ``epoch_K.pt``) and starts fresh only when the run has none.
+Invariants: a file under a checkpoint name is complete (written to a hidden
+temporary file in the same folder, flushed to disk, then ``os.replace``d; a
+failed write removes its temporary file and says which path and which OS error);
+reading never runs code from the file (``torch.load(weights_only=True)`` with
+the allow-list below); ``--resume latest`` takes the checkpoint furthest into
+the run that loads, skipping unreadable ones with a warning. Names:
+``epoch_K.pt`` (end of epoch K, open_clip's), ``epoch_latest.pt`` (open_clip's
+``--save-most-recent``, and a stop request inside an epoch), ``step_G.pt``
+(``--save-every-n-steps``, after optimizer step G).
 """
+import logging
 import os
+import pickle
 import re
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..errors import UsageError
 
-CHECKPOINT_RE = re.compile(r"^epoch_(\d+)\.pt$")
-# Written when a run is asked to stop inside an epoch; removed once a later
-# epoch checkpoint exists, so when present it is the newest state.
-MID_EPOCH_NAME = "epoch_latest.pt"
+log = logging.getLogger("naflex_accum")
+
+EPOCH_RE = re.compile(r"^epoch_(\d+)\.pt$")
+STEP_RE = re.compile(r"^step_(\d+)\.pt$")
+MOST_RECENT = "epoch_latest.pt"
+TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")
+# What a payload may hold beyond what torch.load(weights_only=True) accepts by default (tensors, numbers,
+# strings, None, and lists, tuples and dicts of them). Ours needs nothing more: model, optimizer and scaler
+# state dicts, counters, the schedule settings and each rank's random state (uint8 tensors).
+ALLOWED_GLOBALS: tuple = ()
+REQUIRED_KEYS = ("epoch", "state_dict", "optimizer")
 
 
-@dataclass
-class RunPaths:
-    root: Path
+class WriteError(UsageError):
+    """A file of the run folder could not be written (full disk, no permission, ...)."""
 
-    @property
-    def log_file(self) -> Path:
-        return self.root / "out.log"
-
-    @property
-    def params_file(self) -> Path:
-        return self.root / "params.txt"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / "tensorboard"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    def checkpoint(self, epoch: int) -> Path:
-        return self.checkpoints / f"epoch_{epoch}.pt"
-
-    @property
-    def mid_epoch(self) -> Path:
-        return self.checkpoints / MID_EPOCH_NAME
-
-    @property
-    def stop_file(self) -> Path:
-        return self.root / "STOP"
+    def __init__(self, path, exc: OSError):
+        reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
+        super().__init__(f"cannot write {path}: {reason}")
 
 
-def default_name(args) -> str:
-    date = datetime.now().strftime("%Y_%m_%d-%H_%M_%S")
-    model = str(args.model).replace("/", "-")
-    return f"{date}-model_{model}-lr_{args.lr}-b_{args.batch_size}-j_{args.workers}-p_{args.precision}"
+class _Writer:
+    """A file for ``torch.save`` that writes every byte or keeps the OS error.
 
+    torch's zip writer reports a failed write as ``unexpected pos``; the kept error says what happened.
+    """
 
-def latest_checkpoint(folder: Path) -> Optional[Path]:
-    if not folder.is_dir():
-        return None
-    if (folder / MID_EPOCH_NAME).is_file():
-        return folder / MID_EPOCH_NAME
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := CHECKPOINT_RE.match(p.name))]
-    return max(found)[1] if found else None
+    def __init__(self, fd: int):
+        self.fd, self.error = fd, None
 
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        return size
 
-def resolve_run(args) -> tuple:
-    """``(RunPaths, checkpoint to resume or None)``; refuses to reuse a run folder without ``--resume``."""
-    if args.name is None:
-        args.name = default_name(args)
-    paths = RunPaths(Path(args.logs) / args.name)
-    if args.resume is None:
-        if paths.root.exists():
-            raise UsageError(f"run folder {paths.root} already exists; pass --resume latest to continue it, "
-                             f"or choose another --name")
-        return paths, None
-    if args.resume == "latest":
-        return paths, latest_checkpoint(paths.checkpoints)
-    resume = Path(args.resume)
-    if not resume.is_file():
-        raise UsageError(f"--resume {args.resume}: no such checkpoint file (or use --resume latest)")
-    return paths, resume
+    def flush(self) -> None:
+        pass
 
 
 def save_checkpoint(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        torch.save(payload, tmp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        writer = _Writer(fd)
+        try:
+            torch.save(payload, writer)
+            os.fsync(fd)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(path, exc) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def load_checkpoint(path: Path) -> dict:
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable (a node crash right after a save keeps the new file)."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file: say which, not a pickle traceback
-        raise UsageError(f"--resume {path}: cannot read this checkpoint ({type(exc).__name__}: {exc})") from None
-    missing = [k for k in ("epoch", "state_dict", "optimizer") if k not in checkpoint]
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some network file systems refuse fsync on a directory; the data itself is synced
+    finally:
+        os.close(fd)
+
+
+def _refused_global(exc: Exception) -> Optional[str]:
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+    return m.group(1) if m else None
+
+
+def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
+    """A checkpoint (or ``.safetensors``) file as a dict, read without running code from it.
+
+    Every problem is a one-line ``UsageError`` naming ``flag`` and the file: missing, truncated or
+    not a checkpoint, or needing more than ``ALLOWED_GLOBALS`` (an arbitrary pickled object).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{flag} {path}: no such file")
+    if path.suffix == ".safetensors":
+        return _load_safetensors(path, flag)
+    try:
+        with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)):
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        name = _refused_global(exc)
+        if name is None:
+            raise UsageError(f"{flag} {path}: cannot read this file ({_first_line(exc)})") from None
+        raise UsageError(f"{flag} {path}: refused: opening it would import and run {name}; only tensors, "
+                         f"numbers, strings and containers of them are read (re-save the file's state_dict "
+                         f"with torch.save if you trust it)") from None
+    except Exception as exc:  # a truncated or foreign file: say which, not a zip/pickle traceback
+        raise UsageError(f"{flag} {path}: cannot read this file ({type(exc).__name__}: {_first_line(exc)})") \
+            from None
+    if not isinstance(payload, dict):
+        raise UsageError(f"{flag} {path}: holds a {type(payload).__name__}, not a checkpoint dict or state_dict")
+    return payload
+
+
+def _load_safetensors(path: Path, flag: str) -> dict:
+    from safetensors.torch import load_file
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:
+        raise UsageError(f"{flag} {path}: cannot read this safetensors file ({_first_line(exc)})") from None
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def load_checkpoint(path, flag: str = "--resume", mmap: bool = False) -> dict:
+    """A training checkpoint (ours or open_clip's): the keys a resume needs, or a one-line error."""
+    payload = load_payload(path, flag, mmap=mmap)
+    missing = [k for k in REQUIRED_KEYS if k not in payload]
     if missing:
-        raise UsageError(f"--resume {path}: not a naflex-accum/open_clip training checkpoint (missing {missing})")
-    return checkpoint
+        raise UsageError(f"{flag} {path}: not a naflex-accum/open_clip training checkpoint (missing {missing})")
+    return payload
+
+
+def position(payload: dict) -> Tuple[int, int, int]:
+    """How far into the run a payload is: (global step, epoch, step in epoch); larger is later."""
+    return (int(payload.get("global_step", 0)), int(payload["epoch"]), int(payload.get("step_in_epoch", 0)))
+
+
+def checkpoint_files(folder: Path) -> List[Path]:
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir()
+            if p.is_file() and (p.name == MOST_RECENT or EPOCH_RE.match(p.name) or STEP_RE.match(p.name))]
+
+
+def _rank(path: Path) -> Tuple[int, int, int]:
+    try:  # mmap: only the pickled structure is read, not the tensors
+        return position(load_checkpoint(path, mmap=True))
+    except UsageError:  # a legacy (non-zip) file cannot be mapped; a damaged one fails again below
+        return position(load_checkpoint(path))
+
+
+def newest_loadable(folder: Path) -> Tuple[Optional[Path], Optional[dict]]:
+    """The checkpoint of ``folder`` furthest into the run that loads completely, and its payload."""
+    ranked = []
+    for path in checkpoint_files(folder):
+        try:
+            ranked.append((_rank(path), path))
+        except UsageError as exc:
+            log.warning(f"--resume latest: skipping {exc}")
+    for _, path in sorted(ranked, reverse=True):
+        try:
+            return path, load_checkpoint(path)  # every tensor read: a damaged file fails here
+        except UsageError as exc:
+            log.warning(f"--resume latest: skipping {exc}")
+    return None, None
+
+
+def remove_stale_temps(folder: Path) -> List[Path]:
+    """Temporary files of writes that never finished (the writer was killed); the run lock makes them stale."""
+    stale = [p for p in folder.iterdir() if TEMP_RE.match(p.name)] if folder.is_dir() else []
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+def prune_step_checkpoints(folder: Path, keep_last: int) -> List[Path]:
+    """Delete all but the ``keep_last`` newest ``step_G.pt`` files."""
+    steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_RE.match(p.name)))
+    doomed = [p for _, p in steps[:-keep_last]] if keep_last > 0 else [p for _, p in steps]
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    return doomed

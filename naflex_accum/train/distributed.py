@@ -30,24 +30,6 @@ class World:
     def is_master(self) -> bool:
         return self.rank == 0
 
-    def mean(self, tensors: dict) -> dict:
-        """All-reduce mean of a dict of scalar tensors (identity in one process)."""
-        if not self.distributed:
-            return tensors
-        out = {}
-        for key, value in tensors.items():
-            value = value.detach().clone()
-            dist.all_reduce(value)
-            out[key] = value / self.world_size
-        return out
-
-    def sum_int(self, value: int) -> int:
-        if not self.distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
-        dist.all_reduce(t)
-        return int(t.item())
-
     def gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order (on every rank)."""
         if not self.distributed:
@@ -56,13 +38,26 @@ class World:
         dist.all_gather_object(out, obj)
         return out
 
-    def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on any rank (one all-reduce; the flag itself in one process)."""
+    def broadcast_object(self, obj):
+        """Rank 0's ``obj`` on every rank (``obj`` itself in one process)."""
         if not self.distributed:
-            return flag
-        t = torch.tensor([1 if flag else 0], device=_collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=_collective_device())
+        return box[0]
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place all-reduce sum of one (packed) tensor; one collective, no host sync."""
+        if self.distributed:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def min_int(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
     def all_equal(self, values) -> bool:
         """Whether a small list of ints is the same on every rank (one all-reduce of max and -min)."""

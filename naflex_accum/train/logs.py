@@ -1,16 +1,32 @@
 """Console, ``out.log`` and tensorboard logging of a run, on rank 0 only.
 
-Invariant: every rank runs the same code, but only rank 0 writes (files,
+Invariants: every rank runs the same code, but only rank 0 writes (files,
 tensorboard events, console lines); the console line keeps open_clip's shape
 (``Train Epoch: E [n/N (p%)] ... LR: ... Logit Scale: ... Loss: v (avg)``) with
-image tokens/s added.
+image tokens/s added; the logger receives what the loop's checks gathered (the
+losses of every step since the previous check, summed on the device), so the
+epoch averages cover every step without reading the device at each one; a file
+that cannot be written (full disk, no permission) stops the run with one line
+naming it and the OS error, not a logging traceback.
 """
 import logging
 import sys
-import time
 from typing import Dict, Optional
 
+from .checkpoint import WriteError
+
 LOGGER_NAME = "naflex_accum"
+
+
+class _FileHandler(logging.FileHandler):
+    """``out.log``: a failed write raises ``WriteError`` (and the handler leaves) instead of printing a traceback."""
+
+    def handleError(self, record):
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            logging.getLogger(LOGGER_NAME).removeHandler(self)
+            raise WriteError(self.baseFilename, exc) from None
+        super().handleError(record)
 
 
 def setup_logging(log_file=None, is_master: bool = True) -> logging.Logger:
@@ -23,7 +39,10 @@ def setup_logging(log_file=None, is_master: bool = True) -> logging.Logger:
     console.setFormatter(fmt)
     logger.addHandler(console)
     if log_file is not None and is_master:
-        handler = logging.FileHandler(log_file, mode="a")
+        try:
+            handler = _FileHandler(log_file, mode="a")
+        except OSError as exc:
+            raise WriteError(log_file, exc) from None
         handler.setFormatter(fmt)
         logger.addHandler(handler)
     return logger
@@ -36,8 +55,12 @@ class Meter:
         self.val, self.sum, self.count = 0.0, 0.0, 0
 
     def update(self, val: float, n: int = 1):
-        self.val = val
-        self.sum += val * n
+        self.add(val * n, n, val)
+
+    def add(self, total: float, n: int, last: float):
+        """``n`` more samples whose values sum to ``total``; ``last`` is the newest value."""
+        self.val = last
+        self.sum += total
         self.count += n
 
     @property
@@ -54,50 +77,64 @@ class RunLogger:
         self.writer = None
         if is_master and tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+            try:
+                self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+            except OSError as exc:
+                raise WriteError(tensorboard_dir, exc) from None
         self.loss_meters: Dict[str, Meter] = {}
         self.first_loss: Optional[float] = None
         self.epoch_losses: list = []  # average training loss of each finished epoch
         self.evals: list = []  # (epoch, metrics) of each evaluation
         self.bar = None
-        self._last = time.time()
 
     def start_epoch(self, epoch: int, num_steps: int):
         self.loss_meters = {}
-        self._last = time.time()
         if self.is_master and sys.stdout.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=num_steps, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
 
     def step(self, epoch: int, step_in_epoch: int, num_steps: int, global_step: int, info: dict,
              samples_per_epoch: int, console: bool):
-        """``info``: loss terms, lr, logit_scale, window_scale, window_samples, samples, tokens, data_time."""
-        now = time.time()
-        batch_time, self._last = now - self._last, now
+        """What the loop gathered over ``info["steps"]`` optimizer steps ending at ``global_step``.
+
+        ``info``: ``losses`` (each term at this step, mean over ranks), ``loss_sums`` (each term times the
+        window's samples, summed over those steps), ``samples`` (this rank's, over those steps),
+        ``samples_global``, ``tokens_global``, ``elapsed``, ``data_time``, ``lr``, ``logit_scale``,
+        ``logit_bias``, ``window_scale``, ``epoch_samples`` (global, so far this epoch).
+        """
         if not self.is_master:
             return
         if self.first_loss is None:
             self.first_loss = info["losses"]["loss"]
         for key, value in info["losses"].items():
-            self.loss_meters.setdefault(key, Meter()).update(value, info["window_samples"])
-        sps = info["window_samples_global"] / batch_time
-        tps = info["window_tokens_global"] / batch_time
+            self.loss_meters.setdefault(key, Meter()).add(info["loss_sums"][key], info["samples"], value)
+        elapsed = max(info["elapsed"], 1e-9)
+        batch_time, sps, tps = elapsed / info["steps"], info["samples_global"] / elapsed, \
+            info["tokens_global"] / elapsed
+        if self.bar is not None:
+            self.bar.update(info["steps"])
+            self.bar.set_postfix(loss=f"{info['losses']['loss']:.4f}", lr=f"{info['lr']:.2e}")
+        if not console:
+            return
         scalars = {"loss": info["losses"]["loss"], "lr": info["lr"], "logit_scale": info["logit_scale"],
-                   "window_scale": info["window_scale"], "window_samples": info["window_samples_global"],
+                   "window_scale": info["window_scale"], "window_samples": info["samples_global"] / info["steps"],
                    "samples_per_second": sps, "image_tokens_per_second": tps, "batch_time": batch_time}
         if info.get("logit_bias") is not None:
             scalars["logit_bias"] = info["logit_bias"]
-        if self.writer is not None:
+        self._scalars("train", scalars, global_step)
+        self._console_line(epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps)
+
+    def _scalars(self, prefix: str, scalars: dict, global_step: int):
+        if self.writer is None:
+            return
+        try:
             for key, value in scalars.items():
-                self.writer.add_scalar(f"train/{key}", value, global_step)
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{info['losses']['loss']:.4f}", lr=f"{info['lr']:.2e}")
-        if console:
-            self._console_line(epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps)
+                self.writer.add_scalar(f"{prefix}/{key}", value, global_step)
+        except OSError as exc:
+            raise WriteError(self.writer.log_dir, exc) from None
 
     def _console_line(self, epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps):
-        done = info["samples"]
+        done = info["epoch_samples"]
         digits = len(str(samples_per_epoch))
         losses = " ".join(f"{k.capitalize()}: {m.val:#.5g} ({m.avg:#.5g})" for k, m in self.loss_meters.items())
         self.log.info(
@@ -106,12 +143,13 @@ class RunLogger:
             f"Data (t): {info['data_time']:.3f} Batch (t): {batch_time:.3f}, {sps:#g}/s, {tps:#g} tok/s "
             f"LR: {info['lr']:5f} Logit Scale: {info['logit_scale']:.3f} {losses}")
 
-    def end_epoch(self):
-        if self.is_master and "loss" in self.loss_meters:
+    def end_epoch(self, complete: bool = True):
+        """The epoch's averages (``complete``), or nothing for an epoch left by a stop request."""
+        if self.is_master and complete and "loss" in self.loss_meters:
             self.epoch_losses.append(self.loss_meters["loss"].avg)
             summary = "  ".join(f"Avg {k.capitalize()}: {m.avg:#.5g}" for k, m in self.loss_meters.items())
             self.log.info(f"End epoch | {summary}")
-            self.loss_meters = {}
+        self.loss_meters = {}
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -121,19 +159,23 @@ class RunLogger:
             return
         self.evals.append((epoch, dict(metrics)))
         self.log.info(f"Eval Epoch: {epoch} " + "\t".join(f"{k}: {v:.4f}" for k, v in metrics.items()))
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(f"val/{key}", value, global_step)
+        self._scalars("val", metrics, global_step)
 
     def close(self):
-        self.end_epoch()
+        self.end_epoch(complete=False)  # an epoch still open here was left by an error
         if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
+            writer, self.writer = self.writer, None
+            try:
+                writer.close()
+            except OSError as exc:
+                raise WriteError(writer.log_dir, exc) from None
 
 
 def write_params(path, args, log: Optional[logging.Logger] = None) -> None:
     """``name: value`` per flag, sorted, as open_clip's params.txt."""
-    with open(path, "w") as f:
-        for name in sorted(vars(args)):
-            f.write(f"{name}: {getattr(args, name)}\n")
+    try:
+        with open(path, "w") as f:
+            for name in sorted(vars(args)):
+                f.write(f"{name}: {getattr(args, name)}\n")
+    except OSError as exc:
+        raise WriteError(path, exc) from None

@@ -1,14 +1,17 @@
-"""One training epoch: schedule, step, log; every optimizer step goes through the accumulation step.
+"""One training epoch: schedule, step, check, log, save; every optimizer step goes through the accumulation step.
 
 Invariants: the loop only feeds microbatches to the step and reads its result;
 the scale, RNG replay, sync and optimizer logic live in the step, so the
 built-in trainer and a patched upstream run share one implementation. The
 learning rate is set from the global step before each microbatch, as upstream.
-The first window of a run checks that every rank has the same microbatch sizes
-(the window scale must agree across ranks). An epoch resumed at step S skips
-the data of steps < S and restores the random state saved at S, so it trains
-exactly as the uninterrupted epoch would have.
+The loop reads nothing from the device per microbatch and at most once per
+optimizer step (the monitor's check; sample and token counts come from the
+loader's CPU-side metadata). The first window of a run checks that every rank
+has the same microbatch sizes (the window scale must agree across ranks). An
+epoch resumed at step S skips the data of steps < S and restores the random
+state saved at S, so it trains exactly as the uninterrupted epoch would have.
 """
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -16,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import UsageError
+from ..rng import load_rng_state_dict
 from ..scales import window_loss_scale
 from .preempt import Preempted
 
@@ -29,45 +33,28 @@ class TrainState:
     epoch: int = 0
     global_step: int = 0
     samples_seen: int = 0
-    step_in_epoch: int = 0  # > 0 only when resuming inside an epoch
-    rng_state: Optional[dict] = None  # saved with a mid-epoch checkpoint
+    step_in_epoch: int = 0  # where the current epoch starts (a resume), and the position a mid-epoch save records
+    rng_state: Optional[dict] = None  # this rank's, from a mid-epoch checkpoint
     sizes_checked: bool = False
+
+
+@dataclass
+class Loop:
+    """What every step of the loop uses besides the state."""
+    args: Any
+    world: Any
+    device: torch.device
+    autocast: Callable
+    step_fn: Callable
+    logger: Any   # logs.RunLogger
+    stop: Any     # preempt.StopRequest
+    monitor: Any  # monitor.StepMonitor
+    saver: Any    # saver.Saver
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
     """Per-(epoch, rank) seed for dropout-style randomness, so a resumed epoch draws what it would have."""
     return (seed * 1_000_003 + epoch * 10_007 + rank) % (2 ** 63)
-
-
-def rng_snapshot() -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def rng_restore(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _scalar(x) -> Optional[float]:
-    return None if x is None else float(x.detach().float().mean())
-
-
-def _window_info(losses, report, sizes, tokens, args, world, lr):
-    reduced = world.mean({k: v.detach().float() for k, v in losses.items()})
-    return {
-        "losses": {k: float(v) for k, v in reduced.items()},
-        "lr": lr,
-        "logit_scale": _scalar(report.get("logit_scale")),
-        "logit_bias": _scalar(report.get("logit_bias")),
-        "window_scale": window_loss_scale(sizes, args.batch_size, args.naflex_loss_scale),
-        "window_samples": sum(sizes),
-        "window_samples_global": sum(sizes) * world.world_size,
-        "window_tokens_global": world.sum_int(sum(tokens)),
-    }
 
 
 def check_sizes_agree(sizes, world) -> None:
@@ -77,56 +64,76 @@ def check_sizes_agree(sizes, world) -> None:
             f"window scale would too; every rank must follow the same (seeded) NaFlex schedule")
 
 
-def _start_epoch(state, loader, args, world) -> int:
-    """Seed, position the data, restore a mid-epoch random state; returns the index of the first batch."""
-    start = state.step_in_epoch * args.accum_freq
+def _start_epoch(state, loader, args, world):
+    """Seed, position the data, restore a mid-epoch random state; returns the ``(batch, meta)`` iterator."""
     torch.manual_seed(epoch_seed(args.seed, state.epoch, world.rank))
-    loader.set_epoch(state.epoch, start_batch=start)
+    loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * args.accum_freq)
+    batches = loader.iter_meta()
+    # A DataLoader draws its workers' base seed from the global generator when its iterator starts: keep
+    # that draw out of the stream the model sees, wherever in the epoch the iterator starts.
+    with torch.random.fork_rng(devices=[]):
+        first = next(batches, None)
     if state.rng_state is not None:
-        rng_restore(state.rng_state)
+        load_rng_state_dict(state.rng_state)
     state.task.train()
-    return start
+    return batches if first is None else itertools.chain([first], batches)
 
 
-def train_one_epoch(state: TrainState, loader, args, world, device, autocast, step_fn, run_logger,
-                    stop=None) -> None:
-    task, k = state.task, args.accum_freq
+def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
+    args, world, task, k = loop.args, loop.world, state.task, loop.args.accum_freq
     num_steps = loader.num_batches // k
-    start = _start_epoch(state, loader, args, world)
-    run_logger.start_epoch(state.epoch, num_steps - state.step_in_epoch)
+    start = state.step_in_epoch * k
+    epoch_samples = sum(spec.batch_size for spec in loader.schedule()[:start]) * world.world_size
+    batches = _start_epoch(state, loader, args, world)
+    loop.logger.start_epoch(state.epoch, num_steps - state.step_in_epoch)
     accum_state = ([], {}) if k > 1 else None
-    sizes, tokens, data_time, samples_in_epoch = [], [], 0.0, 0
+    sizes, tokens, data_time = [], 0, 0.0
     end = time.time()
-    for i, batch in enumerate(loader, start=start):
+    for batch, meta in batches:
+        i = meta["index"]
         if i >= num_steps * k:
             break  # a trailing partial window would never step
-        step_in_epoch = i // k
-        lr = state.scheduler(num_steps * state.epoch + step_in_epoch)
-        batch = task.prepare_batch(batch, device)
+        lr = state.scheduler(num_steps * state.epoch + i // k)
+        batch = task.prepare_batch(batch, loop.device)
         data_time += time.time() - end
-        sizes.append(task.batch_size(batch))
-        tokens.append(int(batch["image"]["patch_valid"].sum()))
+        sizes.append(meta["samples"])
+        tokens += meta["image_tokens"]
         if not state.sizes_checked and len(sizes) == k:
             check_sizes_agree(sizes, world)
             state.sizes_checked = True
-        result = step_fn(task, batch, accum_state, state.optimizer, state.scaler, autocast, args)
-        if result is None:
-            end = time.time()
-            continue
-        losses, report, step_batch_size, accum_state = result
-        state.global_step += 1
-        state.samples_seen += step_batch_size * world.world_size
-        samples_in_epoch += step_batch_size * world.world_size
-        info = _window_info(losses, report, sizes, tokens, args, world, lr)
-        info.update(samples=samples_in_epoch, data_time=data_time)
-        last = step_in_epoch + 1 == num_steps
-        run_logger.step(state.epoch, step_in_epoch + 1, num_steps, state.global_step, info,
-                        loader.num_samples, console=(step_in_epoch % args.log_every_n_steps == 0) or last)
-        sizes, tokens, data_time = [], [], 0.0
-        if stop is not None and not last and stop.requested():
-            state.step_in_epoch = step_in_epoch + 1
-            run_logger.end_epoch()
-            raise Preempted(state.step_in_epoch)
+        result = loop.step_fn(task, batch, accum_state, state.optimizer, state.scaler, loop.autocast, args)
+        if result is not None:
+            losses, report, step_batch_size, accum_state = result
+            state.global_step += 1
+            state.samples_seen += step_batch_size * world.world_size
+            epoch_samples += step_batch_size * world.world_size
+            loop.monitor.add(state.global_step, losses, report, sum(sizes), tokens, data_time)
+            after_step(state, loop, i // k + 1, num_steps, sizes, lr, epoch_samples, loader.num_samples)
+            sizes, tokens, data_time = [], 0, 0.0
         end = time.time()
     state.step_in_epoch, state.rng_state = 0, None
-    run_logger.end_epoch()
+    loop.logger.end_epoch()
+
+
+def after_step(state, loop: Loop, done: int, num_steps: int, sizes, lr, epoch_samples, samples_per_epoch):
+    """After step ``done`` of the epoch: check (on the steps every rank agrees on), log, stop or save."""
+    args, world = loop.args, loop.world
+    last = done == num_steps
+    log_now = (done - 1) % args.log_every_n_steps == 0 or last
+    save_now = loop.saver.step_due(state.global_step)
+    due = state.global_step % args.check_every_n_steps == 0
+    signalled = not world.distributed and loop.stop.signalled is not None  # free to honour at once in one process
+    if not (log_now or save_now or due or last or signalled):
+        return
+    check = loop.monitor.check(loop.stop.pending())
+    if check.steps:
+        info = dict(check.info, lr=lr, epoch_samples=epoch_samples,
+                    window_scale=window_loss_scale(sizes, args.batch_size, args.naflex_loss_scale))
+        loop.logger.step(state.epoch, done, num_steps, state.global_step, info, samples_per_epoch, log_now)
+    if check.stop:
+        state.step_in_epoch = done
+        loop.logger.end_epoch(complete=False)
+        raise Preempted(done)
+    if save_now:
+        state.step_in_epoch = done
+        loop.saver.save_step(state)

@@ -1,9 +1,11 @@
 """``naflex-accum train``: build model, task, data and optimizer; train, evaluate, checkpoint.
 
-Invariant: a run is a pure function of its flags and seed: a run stopped after
-epoch K and resumed with ``--resume latest`` ends with the weights of an
-uninterrupted one (model, optimizer, scaler, counters and the per-epoch data
-order and random state are all restored or re-derived).
+Invariants: a run is a pure function of its flags and seed: a run stopped or
+killed at any moment and resumed with ``--resume latest`` ends with the weights
+of an uninterrupted one (model, optimizer, scaler, counters, the position in the
+epoch and every rank's random state are restored, the data order re-derived);
+everything is built and checked before the run folder is created or changed;
+the exit status says how the run ended (``EXIT_CODES``).
 """
 import logging
 from contextlib import nullcontext
@@ -12,24 +14,34 @@ from functools import partial
 import torch
 
 from ..errors import UsageError
-from .checkpoint import load_checkpoint, resolve_run, save_checkpoint
+from .checkpoint import load_checkpoint
 from .distributed import init_distributed
 from .evaluate import evaluate
 from .finetune import data_options, prepare_model
-from .logs import LOGGER_NAME, RunLogger, setup_logging, write_params
-from .loop import TrainState, rng_snapshot, train_one_epoch
+from .logs import LOGGER_NAME, RunLogger, setup_logging
+from .loop import Loop, TrainState, train_one_epoch
 from .lr import make_scheduler
+from .monitor import NonFiniteLoss, StepMonitor
 from .params import parse_args
-from .preempt import Preempted, StopRequest
+from .preempt import EXIT_STOPPED, Preempted, StopRequest
+from .resume import restore
+from .rundir import QuietUsageError, claim_run, create_run_folder
+from .saver import NonFiniteWeights, Saver
 from .zeroshot import due, make_zero_shot
 
 log = logging.getLogger(LOGGER_NAME)
+
+EXIT_NONFINITE = 3
+# The exit statuses of ``naflex-accum train`` (docs/long-runs.md).
+EXIT_CODES = {0: "finished", 2: "bad setting or unwritable run folder (one line)", EXIT_NONFINITE:
+              "stopped: non-finite loss or weights, nothing saved after it", EXIT_STOPPED:
+              "stopped on request (SIGTERM, SIGUSR1, STOP) after saving; --resume latest continues"}
 
 
 def get_autocast(precision: str, device: torch.device):
     if precision == "fp32":
         return nullcontext
-    dtype = torch.bfloat16 if precision == "amp_bf16" else torch.float16
+    dtype = torch.float16 if precision == "amp" else torch.bfloat16  # amp_bf16, amp_bfloat16
     return partial(torch.autocast, device_type=device.type, dtype=dtype)
 
 
@@ -67,7 +79,7 @@ def build_task(args, world, device):
     return task, model
 
 
-def build_data(args, world, model):
+def build_data(args, world, model, device):
     from open_clip.tokenizer import SimpleTokenizer
 
     from ..data import DataConfig, make_train_loader, make_val_loader
@@ -80,7 +92,7 @@ def build_data(args, world, model):
         patch_sizes=tuple(args.naflex_patch_sizes), num_samples=args.train_num_samples,
         num_image_tokens=args.naflex_num_train_image_tokens, accum_freq=args.accum_freq,
         seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size, **data_options(args))
-    train = make_train_loader(cfg, tokenizer)
+    train = make_train_loader(cfg, tokenizer, pin_memory=device.type == "cuda")
     val = None
     if args.val_data and world.is_master:
         val = make_val_loader(args.val_data, tokenizer, seq_len=args.val_seq_len or max(args.naflex_seq_lens),
@@ -93,85 +105,52 @@ def select_step(args):
     return get_step(args.accum_mode)
 
 
-def restore(state: TrainState, model, path, world) -> None:
-    ckpt = load_checkpoint(path)
-    state_dict = {k.removeprefix("module."): v for k, v in ckpt["state_dict"].items()}
-    model.load_state_dict(state_dict)
-    state.optimizer.load_state_dict(ckpt["optimizer"])
-    if state.scaler is not None and ckpt.get("scaler") is not None:
-        state.scaler.load_state_dict(ckpt["scaler"])
-    state.epoch = int(ckpt["epoch"])
-    state.global_step = int(ckpt.get("global_step", 0))
-    state.samples_seen = int(ckpt.get("samples_seen", 0))
-    state.step_in_epoch = int(ckpt.get("step_in_epoch", 0))
-    rng_states = ckpt.get("rng_states")
-    if state.step_in_epoch and rng_states:
-        if len(rng_states) != world.world_size:
-            raise UsageError(f"--resume {path}: saved inside an epoch by {len(rng_states)} ranks; resume it with "
-                             f"the same world size, or from an epoch_K.pt checkpoint")
-        state.rng_state = rng_states[world.rank]
-    where = f", step {state.step_in_epoch} of epoch {state.epoch}" if state.step_in_epoch else ""
-    log.info(f"Resumed {path} at epoch {state.epoch}, global step {state.global_step}{where}")
+def _resume(state, model, claim, args, world) -> None:
+    payload = claim.payload if claim.payload is not None else load_checkpoint(claim.resume)
+    claim.payload = None  # rank 0 read it while choosing; the tensors are in the model and optimizer now
+    restore(state, model, payload, f"--resume {claim.resume}", args, world)
 
 
-def checkpoint_payload(state: TrainState, model, args, rng_states=None) -> dict:
-    payload = {"epoch": state.epoch, "global_step": state.global_step, "samples_seen": state.samples_seen,
-               "name": args.name, "state_dict": model.state_dict(), "optimizer": state.optimizer.state_dict(),
-               "scaler": state.scaler.state_dict() if state.scaler is not None else None}
-    if rng_states is not None:  # inside an epoch: where to continue, and each rank's random state there
-        payload.update(step_in_epoch=state.step_in_epoch, rng_states=rng_states)
-    return payload
-
-
-def save_mid_epoch(state, model, args, world, paths) -> None:
-    """Every rank's random state goes to rank 0, which writes epoch_latest.pt."""
-    rng_states = world.gather_object(rng_snapshot())
-    if world.is_master:
-        save_checkpoint(paths.mid_epoch, checkpoint_payload(state, model, args, rng_states))
-        log.info(f"Stop requested: saved {paths.mid_epoch} at step {state.step_in_epoch} of epoch {state.epoch}; "
-                 f"continue with --resume latest")
-
-
-def end_of_epoch(state, model, args, world, paths) -> None:
-    save = args.save_frequency and (state.epoch % args.save_frequency == 0 or state.epoch == args.epochs)
-    if world.is_master and save:
-        save_checkpoint(paths.checkpoint(state.epoch), checkpoint_payload(state, model, args))
-    if world.is_master:
-        paths.mid_epoch.unlink(missing_ok=True)  # superseded by this epoch's state
-
-
-def prepare_folder(paths, resume, args, world) -> None:
-    if not world.is_master:
-        return
-    paths.root.mkdir(parents=True, exist_ok=True)
-    paths.checkpoints.mkdir(exist_ok=True)
-    params = paths.params_file if not paths.params_file.exists() else \
-        paths.root / f"params-resume-{resume.stem if resume else 'fresh'}.txt"
-    write_params(params, args)
+def _nonfinite_message(step: int, num_steps: int, saver: Saver) -> str:
+    epoch, in_epoch = (step - 1) // num_steps, (step - 1) % num_steps + 1
+    advice = "a lower --lr, a --grad-clip-norm or another --precision"
+    then = f"last good checkpoint: {saver.last_good}; resume it with --resume and {advice}" if saver.last_good \
+        else f"last good checkpoint: none (this run saved nothing yet); start again with {advice}"
+    return (f"Non-finite loss at optimizer step {step} (epoch {epoch}, step {in_epoch}/{num_steps}): stopped "
+            f"without saving; {then} (exit {EXIT_NONFINITE})")
 
 
 def run(args, world, device) -> dict:
-    paths, resume = resolve_run(args)
-    if world.distributed:
-        torch.distributed.barrier()  # every rank has checked the folder before rank 0 creates it
-    prepare_folder(paths, resume, args, world)
-    setup_logging(paths.log_file if world.is_master else None, world.is_master)
+    setup_logging(None, world.is_master)
+    claim = claim_run(args, world)
+    try:
+        return _run(args, world, device, claim)
+    finally:
+        claim.release()
+
+
+def _run(args, world, device, claim) -> dict:
+    paths = claim.paths
     task, model = build_task(args, world, device)
-    train_data, val_data = build_data(args, world, model)
+    train_data, val_data = build_data(args, world, model, device)
     optimizer = build_optimizer(model, args)
     scaler = torch.amp.GradScaler(device.type) if args.precision == "amp" else None
-    total_steps = (train_data.num_batches // args.accum_freq) * args.epochs
-    state = TrainState(task, optimizer, scaler, make_scheduler(optimizer, args.lr, args.warmup, total_steps,
-                                                               args.lr_scheduler))
-    if resume is not None:
-        restore(state, model, resume, world)
+    num_steps = train_data.num_batches // args.accum_freq
+    state = TrainState(task, optimizer, scaler, make_scheduler(optimizer, args.lr, args.warmup,
+                                                               num_steps * args.epochs, args.lr_scheduler))
+    if claim.resume is not None:
+        _resume(state, model, claim, args, world)
+    create_run_folder(claim, args, world)  # everything above is checked: only now is the folder made or changed
+    setup_logging(paths.log_file if world.is_master else None, world.is_master)
     stop = StopRequest(paths.stop_file, world)
     stop.clear()
-    tb = paths.tensorboard if args.report_to == "tensorboard" else None
-    run_logger = RunLogger(log, world.is_master, tb)
-    autocast, step_fn, metrics = get_autocast(args.precision, device), select_step(args), {}
-    log.info(f"Run folder {paths.root}: {train_data.num_batches // args.accum_freq} steps/epoch, "
-             f"{train_data.num_samples} samples/epoch, world size {world.world_size}")
+    saver = Saver(paths, args, world, model, last_good=claim.resume)
+    run_logger = RunLogger(log, world.is_master, paths.tensorboard if args.report_to == "tensorboard" else None)
+    autocast, metrics, exit_code = get_autocast(args.precision, device), {}, 0
+    loop = Loop(args, world, device, autocast, select_step(args), run_logger, stop, StepMonitor(device, world),
+                saver)
+    log.info(f"Run folder {paths.root}: {num_steps} steps/epoch, {train_data.num_samples} samples/epoch, "
+             f"world size {world.world_size}" + (f", resumed from {claim.resume}" if claim.resume else ""))
     zero_shot = make_zero_shot(args, model, world, device)
 
     def run_evals(epoch: int) -> dict:
@@ -183,21 +162,29 @@ def run(args, world, device) -> dict:
         run_logger.eval(epoch, metrics, state.global_step)
         return metrics
 
-    if args.val_at_start and state.epoch == 0:
-        metrics = run_evals(0)
-    preempted = False
     try:
+        if args.val_at_start and state.epoch == 0 and state.global_step == 0:
+            metrics = run_evals(0)
         for _ in range(state.epoch, args.epochs):
-            train_one_epoch(state, train_data, args, world, device, autocast, step_fn, run_logger, stop)
+            train_one_epoch(state, train_data, loop)
             state.epoch += 1
             metrics = run_evals(state.epoch) or metrics
-            end_of_epoch(state, model, args, world, paths)
+            saver.save_epoch(state)
     except Preempted:
-        save_mid_epoch(state, model, args, world, paths)
-        preempted = True
+        saved = saver.save_stop(state)
+        exit_code = EXIT_STOPPED
+        log.info(f"Stopped on request ({stop.reason()}) after step {state.step_in_epoch} of epoch {state.epoch}: "
+                 f"saved {saved}; continue with --resume latest (exit {EXIT_STOPPED})")
+    except (NonFiniteLoss, NonFiniteWeights) as exc:
+        step = exc.global_step if isinstance(exc, NonFiniteLoss) else state.global_step
+        exit_code = EXIT_NONFINITE
+        if world.is_master:
+            log.error(_nonfinite_message(step, num_steps, saver))
     finally:
+        stop.close()
         run_logger.close()
-    return {"run_folder": str(paths.root), "metrics": metrics, "epoch": state.epoch, "preempted": preempted,
+    return {"run_folder": str(paths.root), "metrics": metrics, "epoch": state.epoch,
+            "preempted": exit_code == EXIT_STOPPED, "exit_code": exit_code, "last_checkpoint": saver.last_good,
             "global_step": state.global_step, "corrupt": train_data.stats.get("corrupt", 0),
             "first_loss": run_logger.first_loss, "epoch_losses": run_logger.epoch_losses,
             "evals": run_logger.evals, "val_samples": getattr(val_data, "num_samples", 0)}
@@ -225,5 +212,10 @@ def print_footer(result: dict) -> None:
 
 
 def main(argv=None, prog="naflex-accum train") -> int:
-    print_footer(train(argv, prog))
-    return 0
+    """The exit status is one of ``EXIT_CODES``; rank 0 alone prints an error every rank shares."""
+    try:
+        result = train(argv, prog)
+    except QuietUsageError:
+        return 2
+    print_footer(result)
+    return result["exit_code"]

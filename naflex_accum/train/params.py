@@ -1,8 +1,11 @@
 """Command-line flags of ``naflex-accum train``, with open_clip's names, plus ``--config`` presets.
 
-Invariant: the parsed namespace is complete and valid before anything is
-created: every bad value is a ``UsageError`` naming the flag and what is valid,
-and a YAML preset only supplies defaults, so flags on the command line win.
+Invariants: the parsed namespace is complete and valid before anything is
+created: every bad value is a ``UsageError`` naming the flag and what is valid;
+a YAML preset only supplies defaults (flags on the command line win), and each
+of its values goes through its flag's own parsing (type, choices, number of
+values), so a preset cannot set what the command line would refuse; open_clip's
+precision names mean what they mean upstream or are refused.
 """
 import argparse
 from pathlib import Path
@@ -15,6 +18,10 @@ from ..scales import MODES, check_options
 from . import finetune
 
 RUN_CONFIG_DIR = Path(__file__).resolve().parent.parent / "run_configs"
+SUPPORTED_PRECISIONS = ("fp32", "amp", "amp_bf16", "amp_bfloat16")
+# open_clip's names that cast the weights themselves to 16 bits (no fp32 master weights).
+CAST_PRECISIONS = ("bf16", "fp16", "pure_bf16", "pure_fp16")
+PRECISIONS = SUPPORTED_PRECISIONS + CAST_PRECISIONS
 
 
 def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
@@ -37,7 +44,9 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     d.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=[16])
     m = p.add_argument_group("model and loss")
     m.add_argument("--model", default="naflex-tiny", help="configs/models/NAME.json or a JSON path")
-    m.add_argument("--siglip", action="store_true", help="sigmoid loss (SigLipLoss) and a logit bias")
+    m.add_argument("--siglip", action=argparse.BooleanOptionalAction, default=None,
+                   help="sigmoid loss (SigLipLoss) and a logit bias (default: what the model config has: "
+                        "SigLIP when it sets init_logit_bias)")
     m.add_argument("--local-loss", action="store_true", help="ClipLoss: local logits against global features")
     m.add_argument("--gather-with-grad", action="store_true", help="ClipLoss: all-gather with gradient")
     o = p.add_argument_group("optimisation")
@@ -56,8 +65,9 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     o.add_argument("--warmup", type=int, default=100, help="warm-up optimizer steps")
     o.add_argument("--lr-scheduler", choices=("cosine", "const"), default="cosine")
     o.add_argument("--grad-clip-norm", type=float, default=None)
-    o.add_argument("--precision", choices=("fp32", "amp_bf16", "amp"), default="fp32",
-                   help="amp = fp16 autocast with a GradScaler")
+    o.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="amp: fp16 autocast with a GradScaler; amp_bf16 (= amp_bfloat16): bf16 autocast; "
+                        "open_clip's bf16, fp16, pure_bf16, pure_fp16 (weights cast to 16 bits) are refused")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     r = p.add_argument_group("run folder and logging")
@@ -65,7 +75,18 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
                    help="parent folder of run folders (--logs-dir: the same, for torchrun, which rejects --logs)")
     r.add_argument("--name", default=None, help="run folder name (default: date, model, lr, batch size)")
     r.add_argument("--resume", default=None, help="checkpoint path, or 'latest' in logs/NAME/checkpoints")
-    r.add_argument("--save-frequency", type=int, default=1, help="save every N epochs (0: never)")
+    r.add_argument("--save-frequency", type=int, default=1,
+                   help="checkpoints/epoch_K.pt every N epochs and after the last (0: never)")
+    r.add_argument("--save-most-recent", action="store_true",
+                   help="also write checkpoints/epoch_latest.pt after every epoch (open_clip's)")
+    r.add_argument("--delete-previous-checkpoint", action="store_true",
+                   help="after writing epoch_K.pt, delete epoch_{K - save-frequency}.pt (open_clip's)")
+    r.add_argument("--save-every-n-steps", type=int, default=0,
+                   help="checkpoints/step_G.pt every N optimizer steps, inside epochs too (0: never)")
+    r.add_argument("--keep-last", type=int, default=2, help="step_G.pt files kept (the newest)")
+    r.add_argument("--check-every-n-steps", type=int, default=10,
+                   help="every N optimizer steps at least, all ranks agree on stop requests and check the loss "
+                        "is finite (one all-reduce and one device read; logging and saving steps always check)")
     r.add_argument("--report-to", default="", help="'tensorboard' or '' (none)")
     r.add_argument("--log-every-n-steps", type=int, default=100)
     finetune.add_args(p)
@@ -82,21 +103,73 @@ def _resolve_config(path: str) -> Path:
     return candidate
 
 
-def load_preset(parser: argparse.ArgumentParser, path: str) -> dict:
+def _read_yaml(config_path: Path):
     import yaml
 
+    try:
+        with open(config_path) as f:
+            return yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        def at(mark):
+            return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        opened = f" ({context}{at(start)})" if context and start is not None else ""
+        raise UsageError(f"--config {config_path}: YAML syntax error{at(getattr(exc, 'problem_mark', None))}: "
+                         f"{problem}{opened}") from None
+    except OSError as exc:
+        raise UsageError(f"--config {config_path}: cannot read it ({exc.strerror})") from None
+
+
+def _actions_by_key(parser: argparse.ArgumentParser) -> dict:
+    """Preset keys -> actions: each flag's dest and its long names without the dashes."""
+    keys = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "config"):
+            continue
+        keys[action.dest] = action
+        for option in action.option_strings:
+            if option.startswith("--"):
+                keys[option[2:].replace("-", "_")] = action
+    return keys
+
+
+def _preset_tokens(action, value) -> list:
+    """The command-line words that give ``action`` the preset's ``value``; the flag's own parsing checks them."""
+    flag = next(o for o in action.option_strings if o.startswith("--"))
+    if action.nargs == 0:  # a switch
+        if not isinstance(value, bool):
+            raise UsageError(f"expected true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value == action.const else []
+    values = value if isinstance(value, list) else [value]
+    if isinstance(value, list) and action.nargs is None:
+        raise UsageError(f"expected one value, got the list {value!r}")
+    if any(isinstance(v, (list, dict)) for v in values):
+        raise UsageError(f"expected {'values' if action.nargs else 'a value'}, got {value!r}")
+    return [flag, *(str(v) for v in values)]
+
+
+def load_preset(parser: argparse.ArgumentParser, path: str) -> dict:
     config_path = _resolve_config(path)
-    with open(config_path) as f:
-        preset = yaml.safe_load(f) or {}
+    preset = _read_yaml(config_path)
     if not isinstance(preset, dict):
         raise UsageError(f"--config {config_path}: expected a mapping of flag names to values")
-    known = {a.dest for a in parser._actions}
+    actions = _actions_by_key(parser)
     out = {}
     for key, value in preset.items():
-        dest = key.replace("-", "_")
-        if dest not in known or dest == "config":
+        action = actions.get(str(key).replace("-", "_"))
+        if action is None:
             raise UsageError(f"--config {config_path}: unknown key {key!r} (use train flag names, e.g. accum-freq)")
-        out[dest] = value
+        if value is None:
+            out[action.dest] = None
+            continue
+        try:
+            parsed = parser.parse_args(_preset_tokens(action, value))
+        except UsageError as exc:
+            raise UsageError(f"--config {config_path}: {key}: {str(exc).split(' (see ')[0]}") from None
+        out[action.dest] = getattr(parsed, action.dest)
     return out
 
 
@@ -117,14 +190,40 @@ def _positive(args, *names):
             raise UsageError(f"--{name.replace('_', '-')} must be positive; got {value}")
 
 
+def _check_precision(args) -> None:
+    if args.precision in CAST_PRECISIONS:
+        dtype = "bfloat16" if "bf16" in args.precision else "float16"
+        raise UsageError(f"--precision {args.precision}: in open_clip this casts the model's weights to {dtype} "
+                         f"(no fp32 master weights), which naflex-accum train does not do; use amp_bf16 "
+                         f"(bf16 autocast) or amp (fp16 autocast with a GradScaler)")
+
+
+def _infer_siglip(args) -> None:
+    """``--siglip`` unset: the loss the model config was made for (SigLIP when it has a logit bias)."""
+    if args.siglip is not None:
+        return
+    from ..models import load_config
+
+    try:
+        args.siglip = load_config(args.model).get("init_logit_bias") is not None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def validate(args) -> None:
     if not args.train_data:
         raise UsageError("--train-data is required: webdataset shards, e.g. 'data/train-{0000..0009}.tar'")
     _positive(args, "accum_freq", "epochs", "lr", "naflex_max_tokens_per_batch", "naflex_batch_divisor",
               "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
-              "val_seq_len")
-    if args.workers < 0 or args.warmup < 0 or args.save_frequency < 0:
-        raise UsageError("--workers, --warmup and --save-frequency must be >= 0")
+              "val_seq_len", "check_every_n_steps")
+    for name in ("workers", "warmup", "save_frequency", "save_every_n_steps", "keep_last"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(args, name)}")
+    if args.save_every_n_steps and args.keep_last < 1:
+        raise UsageError("--keep-last must be at least 1 with --save-every-n-steps (0 would delete every "
+                         "step checkpoint as it is written)")
+    _check_precision(args)
+    _infer_siglip(args)
     try:
         check_options(args.naflex_loss_scale, args.batch_size, naflex=True)
     except ValueError as exc:

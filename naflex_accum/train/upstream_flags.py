@@ -69,9 +69,8 @@ FLAGS: Dict[str, Flag] = {
     "--log-metric-every-n-steps": Flag(R, "tensorboard gets every optimizer step's scalars"),
     "--train-loss-ema-samples": Flag(L, "the console shows the epoch's running average, as upstream with 0", ("0",)),
     "--save-frequency": Flag(W),
-    "--save-most-recent": Flag(R, "checkpoints are epoch_K.pt every --save-frequency epochs, and epoch_latest.pt "
-                                  "when a stop is requested inside an epoch"),
-    "--delete-previous-checkpoint": Flag(R, "checkpoints are never deleted by the trainer"),
+    "--save-most-recent": Flag(W, "also epoch_latest.pt after every epoch"),
+    "--delete-previous-checkpoint": Flag(W),
     "--remote-sync": _REMOTE, "--remote-sync-frequency": _REMOTE, "--remote-sync-protocol": _REMOTE,
     "--resume": Flag(W, "a path or 'latest'; wins over --pretrained"),
     # evaluation
@@ -116,7 +115,9 @@ FLAGS: Dict[str, Flag] = {
     "--epochs": Flag(W), "--lr": Flag(W), "--beta1": Flag(W), "--beta2": Flag(W), "--eps": Flag(W), "--wd": Flag(W),
     "--warmup": Flag(W), "--accum-freq": Flag(W, "exact: split-invariant window scale"), "--seed": Flag(W),
     "--grad-clip-norm": Flag(W),
-    "--precision": Flag(W, "fp32, amp (fp16 with a GradScaler) or amp_bf16; default fp32"),
+    "--precision": Flag(W, "fp32, amp (fp16 autocast with a GradScaler), amp_bf16/amp_bfloat16 (bf16 autocast); "
+                           "bf16, fp16, pure_bf16, pure_fp16 cast the weights themselves and are refused with "
+                           "that reason; default fp32"),
     "--lr-scheduler": Flag(W, "cosine or const"),
     "--epochs-cooldown": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
     "--lr-cooldown-end": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),

@@ -1,0 +1,118 @@
+"""Training state to a checkpoint payload and back, with the checks that make a resume exact or refused.
+
+Invariants: a payload holds everything the rest of the run depends on: model,
+optimizer and scaler state, counters, and, inside an epoch, the position in
+it, every rank's random state and the settings that decide which batches the
+epoch yields (``SCHEDULE_FLAGS`` and the world size); a resume that would not
+continue the same run (a checkpoint that does not fit the model, an epoch
+resumed under other schedule settings) is a one-line ``UsageError`` naming the
+first differences, raised before the run folder is touched.
+"""
+import logging
+from typing import Optional
+
+import torch
+
+from ..errors import UsageError
+from ..rng import current_rng_state, rng_state_dict
+
+log = logging.getLogger("naflex_accum")
+
+# The flags that decide the batches of an epoch, and so which batch a saved step continues at.
+SCHEDULE_FLAGS = ("accum_freq", "naflex_max_tokens_per_batch", "naflex_seq_lens", "naflex_seq_len_probs",
+                  "naflex_patch_sizes", "naflex_batch_divisor", "train_num_samples",
+                  "naflex_num_train_image_tokens", "workers", "seed", "dataset_resampled",
+                  "train_data_upsampling_factors")
+SHOWN = 3  # differences named in one error line
+
+
+def schedule_settings(args, world) -> dict:
+    settings = {name: _plain(getattr(args, name)) for name in SCHEDULE_FLAGS if hasattr(args, name)}
+    settings["world_size"] = world.world_size
+    return settings
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _flag(name: str) -> str:
+    return "world size" if name == "world_size" else "--" + name.replace("_", "-")
+
+
+def epoch_payload(state, model, args) -> dict:
+    """The state at an epoch boundary (open_clip's checkpoint keys)."""
+    return {"epoch": state.epoch, "global_step": state.global_step, "samples_seen": state.samples_seen,
+            "name": args.name, "state_dict": model.state_dict(), "optimizer": state.optimizer.state_dict(),
+            "scaler": state.scaler.state_dict() if state.scaler is not None else None}
+
+
+def gather_rng_states(world) -> list:
+    """Every rank's random state, in rank order (a collective: every rank calls it)."""
+    return world.gather_object(rng_state_dict(current_rng_state()))
+
+
+def mid_epoch_payload(state, model, args, world, rng_states) -> dict:
+    """The state after step ``state.step_in_epoch`` of epoch ``state.epoch``."""
+    payload = epoch_payload(state, model, args)
+    payload.update(step_in_epoch=state.step_in_epoch, rng_states=rng_states,
+                   schedule=schedule_settings(args, world))
+    return payload
+
+
+def check_fits(model, state_dict: dict, where: str, model_name: str) -> dict:
+    """``state_dict`` without DDP's ``module.`` prefix, or a UsageError naming the first mismatches."""
+    theirs = {k.removeprefix("module."): v for k, v in state_dict.items()}
+    own = model.state_dict()
+    missing = [k for k in own if k not in theirs]
+    unexpected = [k for k in theirs if k not in own]
+    shapes = [f"{k} {tuple(theirs[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+              if k in theirs and tuple(theirs[k].shape) != tuple(v.shape)]
+    problems = [f"{label} ({len(items)}): {', '.join(items[:SHOWN])}{', ...' if len(items) > SHOWN else ''}"
+                for label, items in (("shapes checkpoint vs model", shapes), ("missing", missing),
+                                     ("unexpected", unexpected)) if items]
+    if problems:
+        raise UsageError(f"{where} does not fit --model {model_name}: " + "; ".join(problems))
+    return theirs
+
+
+def check_schedule(saved: Optional[dict], args, world, where: str, step: int, epoch: int) -> None:
+    """A checkpoint from inside an epoch continues only under the settings that made that epoch's batches."""
+    if saved is None:
+        return
+    now = schedule_settings(args, world)
+    differ = [name for name in now if name in saved and saved[name] != now[name]]
+    if differ:
+        what = ", ".join(f"{_flag(n)} {saved[n]} (now {now[n]})" for n in differ)
+        raise UsageError(f"{where} was saved at step {step} inside epoch {epoch} with {what}: resume it with "
+                         f"the saved settings, or from an epoch_K.pt checkpoint")
+
+
+def restore(state, model, payload: dict, where: str, args, world) -> None:
+    """Load ``payload`` into the model and ``state``; for a mid-epoch payload, also this rank's random state."""
+    step_in_epoch, epoch = int(payload.get("step_in_epoch", 0)), int(payload["epoch"])
+    rng_states = payload.get("rng_states") if step_in_epoch else None
+    if rng_states is not None:
+        check_schedule(payload.get("schedule"), args, world, where, step_in_epoch, epoch)
+        if len(rng_states) != world.world_size:
+            raise UsageError(f"{where}: saved inside an epoch by {len(rng_states)} ranks; resume it with the "
+                             f"same world size, or from an epoch_K.pt checkpoint")
+    model.load_state_dict(check_fits(model, payload["state_dict"], where, args.model))
+    try:
+        state.optimizer.load_state_dict(payload["optimizer"])
+        if state.scaler is not None and payload.get("scaler") is not None:
+            state.scaler.load_state_dict(payload["scaler"])
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise UsageError(f"{where}: its optimizer state does not fit this run ({exc})") from None
+    state.epoch, state.step_in_epoch = epoch, step_in_epoch
+    state.global_step = int(payload.get("global_step", 0))
+    state.samples_seen = int(payload.get("samples_seen", 0))
+    state.rng_state = rng_states[world.rank] if rng_states is not None else None
+    inside = f", step {step_in_epoch} of epoch {epoch}" if step_in_epoch else ""
+    log.info(f"Resumed {where} at epoch {epoch}, global step {state.global_step}{inside}")
+
+
+def weights_finite(model) -> bool:
+    """Whether every parameter and buffer is finite (one device read)."""
+    flags = [torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True

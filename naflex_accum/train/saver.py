@@ -1,0 +1,80 @@
+"""When the trainer writes which checkpoint, and which ones it keeps.
+
+Invariants: rank 0 writes, every rank takes part (the random states travel to
+rank 0, and a failed write stops every rank with rank 0's one-line error); no
+checkpoint is written from non-finite weights (checked on every rank, which
+hold the same weights, before each write); retention deletes a file only after
+a newer one is complete. What is written when:
+
+- ``step_G.pt`` after every ``--save-every-n-steps`` optimizer steps (the mid-epoch payload), the
+  ``--keep-last`` newest kept;
+- ``epoch_K.pt`` after epoch K when K is a multiple of ``--save-frequency`` and after the last
+  epoch; with ``--delete-previous-checkpoint`` the one ``--save-frequency`` epochs earlier goes;
+- ``epoch_latest.pt`` after every epoch with ``--save-most-recent`` (open_clip's), and on a stop
+  request (the mid-epoch payload); without ``--save-most-recent`` it is removed once a newer
+  checkpoint exists.
+"""
+import logging
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint import prune_step_checkpoints, save_checkpoint
+from .monitor import host_read
+from .resume import epoch_payload, gather_rng_states, mid_epoch_payload, weights_finite
+from .rundir import on_master
+
+log = logging.getLogger("naflex_accum")
+
+
+class NonFiniteWeights(Exception):
+    """The weights about to be saved are not finite; nothing was written."""
+
+
+class Saver:
+    def __init__(self, paths, args, world, model, last_good: Optional[Path] = None):
+        self.paths, self.args, self.world, self.model = paths, args, world, model
+        self.last_good = last_good  # the newest checkpoint known complete and finite (for messages)
+
+    def step_due(self, global_step: int) -> bool:
+        every = self.args.save_every_n_steps
+        return bool(every) and global_step % every == 0
+
+    def save_step(self, state) -> None:
+        self._write_mid_epoch(self.paths.step_checkpoint(state.global_step), state)
+        on_master(self.world, prune_step_checkpoints, self.paths.checkpoints, self.args.keep_last)
+
+    def save_stop(self, state) -> Path:
+        path = self.paths.most_recent
+        self._write_mid_epoch(path, state)
+        return path
+
+    def save_epoch(self, state) -> None:
+        """After epoch ``state.epoch`` (already counted as complete) and its evaluation."""
+        args, epoch = self.args, state.epoch
+        if args.save_frequency and (epoch % args.save_frequency == 0 or epoch == args.epochs):
+            self._write(self.paths.checkpoint(epoch), lambda: epoch_payload(state, self.model, args))
+            if args.delete_previous_checkpoint and epoch - args.save_frequency > 0:
+                on_master(self.world, _unlink, self.paths.checkpoint(epoch - args.save_frequency))
+        if args.save_most_recent:
+            self._write(self.paths.most_recent, lambda: epoch_payload(state, self.model, args))
+
+    def _write_mid_epoch(self, path: Path, state) -> None:
+        rng_states = gather_rng_states(self.world)
+        self._write(path, lambda: mid_epoch_payload(state, self.model, self.args, self.world, rng_states))
+
+    def _write(self, path: Path, make_payload) -> None:
+        with host_read():  # a save reads the device (the weights check, the state to the CPU) by design
+            if not weights_finite(self.model):
+                raise NonFiniteWeights(path)
+            on_master(self.world, self._write_on_master, path, make_payload)
+        self.last_good = path
+
+    def _write_on_master(self, path: Path, make_payload) -> None:
+        save_checkpoint(path, make_payload())
+        most_recent = self.paths.most_recent
+        if path != most_recent and not self.args.save_most_recent:
+            most_recent.unlink(missing_ok=True)  # superseded by ``path``
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)

@@ -1,0 +1,134 @@
+"""Long runs, in one process: stop requests by real signals at any step, step checkpoints and retention,
+--resume latest, the non-finite guard, and safe checkpoint reading. Subprocess faults: test_longrun_faults.py."""
+import signal
+
+import pytest
+import torch
+
+from longrun_common import assert_identical, reference, run_argv, signal_at, train_in_process, weights
+from naflex_accum.cli import main as cli_main
+from naflex_accum.errors import UsageError
+from naflex_accum.train.checkpoint import load_payload, newest_loadable
+from naflex_accum.train.preempt import EXIT_STOPPED
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Shards, the dropout model and the uninterrupted run's final weights (2 epochs x 4 steps)."""
+    return reference(tmp_path_factory)
+
+
+def ckpt_names(root):
+    return sorted(p.name for p in (root / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("signum,microbatch,where", [
+    (signal.SIGUSR1, 12, (1, 2)),  # epoch 1 (0-based), inside: after its step 2 of 4
+    (signal.SIGTERM, 8, (0, 4)),   # the last step of epoch 0
+])
+def test_signal_stops_after_the_step_and_resume_is_exact(setup, tmp_path, monkeypatch, signum, microbatch, where):
+    shards, model, whole = setup
+    signal_at(monkeypatch, signum, microbatch)
+    first = train_in_process(run_argv(shards, model, tmp_path, "cut", "--check-every-n-steps", "100",
+                                      "--log-every-n-steps", "100"))
+    monkeypatch.undo()
+    root = tmp_path / "cut"
+    assert first["exit_code"] == EXIT_STOPPED and first["preempted"]
+    mid = torch.load(root / "checkpoints/epoch_latest.pt", weights_only=True)
+    assert (mid["epoch"], mid["step_in_epoch"]) == where and mid["schedule"]["accum_freq"] == 2
+    assert f"Stopped on request ({signal.Signals(signum).name})" in (root / "out.log").read_text()
+    second = train_in_process(run_argv(shards, model, tmp_path, "cut", "--resume", "latest"))
+    assert second["exit_code"] == 0 and second["epoch"] == 2
+    assert "epoch_latest.pt" not in ckpt_names(root)  # superseded by epoch_2.pt
+    assert_identical(weights(root / "checkpoints/epoch_2.pt"), whole)
+
+
+def test_one_step_epochs_stop(setup, tmp_path, monkeypatch):
+    """Every step is the last of its epoch: a stop request is still honoured, and the resume is exact."""
+    shards, model, _ = setup
+    args = ("--epochs", "3", "--train-num-samples", "32")
+    train_in_process(run_argv(shards, model, tmp_path, "whole1", *args))
+    signal_at(monkeypatch, signal.SIGTERM, 3)  # epoch 1's only step
+    first = train_in_process(run_argv(shards, model, tmp_path, "cut1", *args))
+    monkeypatch.undo()
+    assert first["exit_code"] == EXIT_STOPPED and first["global_step"] == 2
+    train_in_process(run_argv(shards, model, tmp_path, "cut1", *args, "--resume", "latest"))
+    assert_identical(weights(tmp_path / "cut1/checkpoints/epoch_3.pt"),
+                     weights(tmp_path / "whole1/checkpoints/epoch_3.pt"))
+
+
+def test_step_checkpoints_retention_and_exact_resume(setup, tmp_path):
+    shards, model, whole = setup
+    extra = ("--save-every-n-steps", "3", "--keep-last", "1", "--save-most-recent", "--delete-previous-checkpoint")
+    train_in_process(run_argv(shards, model, tmp_path, "steps", *extra))
+    root = tmp_path / "steps"
+    # step_3 pruned when step_6 was written; epoch_1.pt deleted once epoch_2.pt was
+    assert ckpt_names(root) == ["epoch_2.pt", "epoch_latest.pt", "step_6.pt"]
+    step6 = torch.load(root / "checkpoints/step_6.pt", weights_only=True)
+    assert (step6["epoch"], step6["step_in_epoch"], step6["global_step"]) == (1, 2, 6)
+    assert len(step6["rng_states"]) == 1 and step6["schedule"]["world_size"] == 1
+    assert torch.load(root / "checkpoints/epoch_latest.pt", weights_only=True)["epoch"] == 2
+    assert_identical(weights(root / "checkpoints/epoch_2.pt"), whole)
+    # as if killed after step 6: resume latest from it ends where the uninterrupted run did
+    for name in ("epoch_2.pt", "epoch_latest.pt"):
+        (root / "checkpoints" / name).unlink()
+    result = train_in_process(run_argv(shards, model, tmp_path, "steps", *extra, "--resume", "latest"))
+    assert result["global_step"] == 8 and result["exit_code"] == 0
+    assert ckpt_names(root) == ["epoch_2.pt", "epoch_latest.pt", "step_6.pt"]
+    assert_identical(weights(root / "checkpoints/epoch_2.pt"), whole)
+
+
+def test_resume_latest_skips_damaged_files_and_removes_stale_temps(setup, tmp_path, capsys):
+    from naflex_accum.train.logs import setup_logging
+
+    shards, model, _ = setup
+    train_in_process(run_argv(shards, model, tmp_path, "dmg", "--save-every-n-steps", "2", "--keep-last", "3",
+                              epochs=1))
+    ckpts = tmp_path / "dmg/checkpoints"
+    newest = ckpts / "epoch_1.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated
+    (ckpts / "step_4.pt").write_bytes(b"not a checkpoint")
+    (ckpts / ".step_6.pt.tmp-12345").write_bytes(b"left by a killed save")
+    setup_logging(None)
+    path, payload = newest_loadable(ckpts)
+    assert path.name == "step_2.pt" and payload["global_step"] == 2
+    out = capsys.readouterr().out
+    assert "skipping --resume" in out and "epoch_1.pt" in out and "step_4.pt" in out
+    result = train_in_process(run_argv(shards, model, tmp_path, "dmg", "--resume", "latest", epochs=1))
+    assert result["exit_code"] == 0 and result["global_step"] == 4
+    assert not (ckpts / ".step_6.pt.tmp-12345").exists()
+    assert "Removed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("saves", [("--save-every-n-steps", "1"), ("--save-frequency", "0")])
+def test_nonfinite_loss_stops_without_saving_nan(setup, tmp_path, capsys, saves):
+    """--lr 1e8 diverges within a few steps; the loss check stops the run even where no save would."""
+    shards, model, _ = setup
+    code = cli_main(["train", *run_argv(shards, model, tmp_path, "nan", "--lr", "1e8", "--warmup", "0", *saves,
+                                        "--log-every-n-steps", "100", "--check-every-n-steps", "3")])
+    out = capsys.readouterr().out
+    assert code == 3
+    lines = [line for line in out.splitlines() if "Non-finite loss" in line]
+    assert len(lines) == 1 and "optimizer step" in lines[0] and "last good checkpoint" in lines[0], out[-2000:]
+    assert "End epoch" not in out  # nothing else is said about the broken epoch
+    saved = sorted((tmp_path / "nan/checkpoints").iterdir())
+    for path in saved:
+        state = torch.load(path, weights_only=True)["state_dict"]
+        assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), path
+    assert (saved[-1].name if saved else "none (this run saved nothing yet)") in lines[0]
+    print(lines[0])
+
+
+def test_load_payload_refuses_code_and_garbage(tmp_path):
+    import argparse
+
+    torch.save({"epoch": 1, "args": argparse.Namespace(lr=1)}, tmp_path / "code.pt")
+    with pytest.raises(UsageError, match=r"--pretrained .*code.pt: refused: opening it would import and run "
+                                         r"argparse.Namespace"):
+        load_payload(tmp_path / "code.pt", flag="--pretrained")
+    (tmp_path / "junk.pt").write_bytes(b"\x00" * 100)
+    with pytest.raises(UsageError, match="--resume .*junk.pt: cannot read this file"):
+        load_payload(tmp_path / "junk.pt")
+    from safetensors.torch import save_file
+    save_file({"w": torch.ones(2)}, str(tmp_path / "w.safetensors"))
+    assert torch.equal(load_payload(tmp_path / "w.safetensors", flag="--pretrained")["w"], torch.ones(2))

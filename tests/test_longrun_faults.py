@@ -1,0 +1,142 @@
+"""Faults with the real thing, in subprocesses: kill -9 at a random moment, SIGTERM to the whole process
+group, a second run on a locked folder, a full disk. Every subprocess has a timeout."""
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from longrun_common import (SUBPROCESS_ENV, assert_identical, reference, run_argv, train_in_process, trainer_cmd,
+                            weights)
+from naflex_accum.train.preempt import EXIT_STOPPED
+
+SEED = int(os.environ.get("NAFLEX_FAULT_SEED", time.time_ns() % 10_000))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return reference(tmp_path_factory)
+
+
+def start(argv, log_path: Path, **kw):
+    """The trainer in its own session (so a group signal reaches it and its data-loader worker, as SLURM's does)."""
+    return subprocess.Popen(trainer_cmd(*argv), env=SUBPROCESS_ENV, stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True, **kw)
+
+
+def wait_for(predicate, proc, timeout=90.0):
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None or time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_kill_9_at_a_random_moment_then_resume_is_exact(setup, tmp_path):
+    """Random moment: after a random step checkpoint plus a random delay (a save may be under way)."""
+    shards, model, whole = setup
+    rng = random.Random(SEED)
+    after_step, delay = rng.randint(0, 6), rng.uniform(0.0, 0.4)
+    argv = run_argv(shards, model, tmp_path, "k", "--save-every-n-steps", "1", "--keep-last", "2")
+    ckpts = tmp_path / "k/checkpoints"
+    proc = start(argv, tmp_path / "a.log")
+    try:
+        target = (lambda: (ckpts / f"step_{after_step}.pt").exists()) if after_step else \
+            (lambda: "Train Epoch" in (tmp_path / "a.log").read_text())
+        assert wait_for(target, proc), (tmp_path / "a.log").read_text()[-3000:]
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGSTOP)  # frozen where it is, still holding the run folder
+        alive = proc.poll() is None
+        if alive:  # a second run on the same folder is refused while the first lives
+            second = subprocess.run(trainer_cmd(*argv, "--resume", "latest"), env=SUBPROCESS_ENV,
+                                    capture_output=True, text=True, timeout=120)
+            assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+            assert "in use by another live process" in second.stderr and f"pid {proc.pid}" in second.stderr
+            assert second.stderr.strip().count("\n") == 0
+        os.killpg(proc.pid, signal.SIGKILL)  # kill -9 the trainer and its worker
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    left = sorted(p.name for p in ckpts.iterdir()) if ckpts.exists() else []
+    print(f"seed {SEED}: SIGKILL after step {after_step} + {delay:.2f}s (alive: {alive}); left {left}")
+    result = train_in_process([*argv, "--resume", "latest"])  # takes the dead process's lock over
+    assert result["exit_code"] == 0 and result["epoch"] == 2
+    assert not [p for p in ckpts.iterdir() if ".tmp-" in p.name]
+    assert_identical(weights(ckpts / "epoch_2.pt"), whole)
+
+
+def test_sigterm_to_the_process_group_saves_and_exits_75(setup, tmp_path):
+    shards, model, whole = setup
+    delay = random.Random(SEED + 1).uniform(0.0, 1.0)
+    argv = run_argv(shards, model, tmp_path, "t")
+    proc = start(argv, tmp_path / "t.log")
+    try:
+        assert wait_for(lambda: "Train Epoch" in (tmp_path / "t.log").read_text(), proc)
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGTERM)  # the trainer and its data-loader worker, as SLURM signals a step
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = (tmp_path / "t.log").read_text()
+    print(f"seed {SEED}: SIGTERM {delay:.2f}s after the first step: exit {proc.returncode}")
+    assert "Traceback" not in out, out[-3000:]
+    if proc.returncode == 0:  # the signal came after the last step: nothing left to stop
+        assert "Stopped on request" not in out
+    else:
+        assert proc.returncode == EXIT_STOPPED, out[-3000:]
+        assert out.count("Stopped on request (SIGTERM)") == 1 and "epoch_latest.pt" in out
+        result = train_in_process([*argv, "--resume", "latest"])
+        assert result["exit_code"] == 0
+    assert_identical(weights(tmp_path / "t/checkpoints/epoch_2.pt"), whole)
+
+
+def _small_disk(folder: Path, size: str):
+    """A real full disk: a small tmpfs (root), else ``None`` (the caller uses RLIMIT_FSIZE)."""
+    folder.mkdir()
+    if os.geteuid() != 0:
+        return None
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    return folder if done.returncode == 0 else None
+
+
+@pytest.mark.parametrize("fill", ["checkpoint", "log"])
+def test_full_disk_is_one_line_and_leaves_no_partial_checkpoint(setup, tmp_path, fill):
+    import resource
+
+    shards, model, _ = setup
+    small = tmp_path / "small"
+    mounted = _small_disk(small, "4m")
+    limit = None
+    try:
+        if mounted is None:  # unprivileged: the kernel's per-process file-size limit gives EFBIG instead
+            if fill == "log":
+                pytest.skip("needs a small tmpfs (root) to fill the disk under out.log")
+            limit = 4 << 20
+        elif fill == "log":  # leave two pages: .lock and params.txt fit, the log lines do not
+            filler = small / "filler"
+            with open(filler, "wb") as f:
+                f.write(b"\0" * ((4 << 20) - (8 << 10)))
+        extra = ("--save-every-n-steps", "1") if fill == "checkpoint" else ()
+        argv = run_argv(shards, model, small, "full", *extra, epochs=1, workers=0)
+
+        def set_limit():
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        proc = subprocess.run(trainer_cmd(*argv), env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120,
+                              preexec_fn=set_limit if limit else None)
+        err = proc.stderr.strip()
+        print(f"{'tmpfs 4m' if mounted else 'RLIMIT_FSIZE 4 MiB'}: exit {proc.returncode}: {err}")
+        assert proc.returncode == 2 and err.count("\n") == 0 and "Traceback" not in err, proc.stdout[-2000:] + err
+        reason = "No space left on device" if mounted else "File too large"
+        assert f"cannot write {small / 'full'}" in err and reason in err
+        assert ("step_1.pt" if fill == "checkpoint" else "out.log") in err
+        leftovers = [p.name for p in (small / "full/checkpoints").iterdir()]
+        assert leftovers == [], leftovers  # no partial file under a checkpoint name, no temporary file
+    finally:
+        if mounted is not None:
+            subprocess.run(["umount", str(small)])

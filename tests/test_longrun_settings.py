@@ -1,0 +1,140 @@
+"""Every bad setting is one line and exit 2, found before the run folder is created or changed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from longrun_common import reference, run_argv, train_in_process
+from naflex_accum.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    shards, model, _ = reference(tmp_path_factory)
+    return shards, model
+
+
+def exit_2_one_line(capsys, argv, *needles):
+    code = cli_main(["train", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+@pytest.mark.parametrize("yaml_text,needles", [
+    ("epochs: 2\naccum-freq: [2\n", ["YAML syntax error at line 3", "p.yaml", "sequence at line 2, column 13"]),
+    ("epochs: 2.5\n", ["epochs: argument --epochs: invalid int value: '2.5'"]),
+    ("precision: bf16\n", ["--precision bf16", "amp_bf16"]),
+    ("precision: pure_fp16\n", ["--precision pure_fp16", "float16"]),
+    ("lr-scheduler: linear\n", ["lr-scheduler", "invalid choice: 'linear'"]),
+    ("siglip: 1\n", ["siglip: expected true or false"]),
+    ("naflex-seq-lens: [16, [32]]\n", ["naflex-seq-lens: expected values"]),
+])
+def test_bad_presets(setup, tmp_path, capsys, yaml_text, needles):
+    shards, model = setup
+    (tmp_path / "p.yaml").write_text(yaml_text)
+    exit_2_one_line(capsys, run_argv(shards, model, tmp_path / "logs", "run", "--config", str(tmp_path / "p.yaml")),
+                    *needles)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_preset_values_are_parsed_like_flags(tmp_path):
+    from naflex_accum.train.params import parse_args
+
+    (tmp_path / "p.yaml").write_text("precision: amp_bfloat16\nnaflex-seq-lens: 16\nlogs-dir: /x\nsiglip: false\n"
+                                     "grad-clip-norm: 1\n")
+    args = parse_args(["--train-data", "d.tar", "--config", str(tmp_path / "p.yaml")])
+    assert (args.precision, args.naflex_seq_lens, args.logs, args.siglip) == ("amp_bfloat16", [16], "/x", False)
+    assert isinstance(args.grad_clip_norm, float)
+
+
+def test_siglip_follows_the_model_config(tmp_path):
+    from naflex_accum.models import load_config
+    from naflex_accum.train.params import parse_args
+
+    config = load_config("naflex-tiny")
+    config.update(init_logit_bias=-10.0)
+    (tmp_path / "tiny-siglip.json").write_text(json.dumps(config))
+    base = ["--train-data", "d.tar", "--model", str(tmp_path / "tiny-siglip.json")]
+    assert parse_args(base).siglip is True
+    assert parse_args([*base, "--no-siglip"]).siglip is False
+    assert parse_args(["--train-data", "d.tar"]).siglip is False
+    assert parse_args(["--train-data", "d.tar", "--model", "naflex-B-16-SigLIP"]).siglip is True
+
+
+def test_resume_into_another_model_names_the_mismatch(setup, tmp_path, capsys):
+    from naflex_accum.models import load_config
+
+    shards, model = setup
+    train_in_process(run_argv(shards, model, tmp_path, "a", epochs=1, workers=0))
+    config = load_config("naflex-tiny")
+    config["embed_dim"] = 48
+    (tmp_path / "wide.json").write_text(json.dumps(config))
+    argv = run_argv(shards, str(tmp_path / "wide.json"), tmp_path, "b", "--resume",
+                    str(tmp_path / "a/checkpoints/epoch_1.pt"), workers=0)
+    exit_2_one_line(capsys, argv, "epoch_1.pt does not fit --model", "shapes checkpoint vs model (2): "
+                    "text_projection (32, 32) vs (32, 48), visual.head.proj.weight (32, 32) vs (48, 32)")
+    assert not (tmp_path / "b").exists()
+    argv = run_argv(shards, model, tmp_path, "c", "--resume", str(tmp_path / "a/checkpoints/epoch_1.pt"), "--siglip",
+                    workers=0)
+    exit_2_one_line(capsys, argv, "does not fit --model", "missing (1): logit_bias")
+
+
+def test_mid_epoch_resume_with_other_schedule_settings_is_refused(setup, tmp_path, capsys):
+    shards, model = setup
+    train_in_process(run_argv(shards, model, tmp_path, "a", "--save-every-n-steps", "1", "--keep-last", "4",
+                              epochs=1, workers=0))
+    step = str(tmp_path / "a/checkpoints/step_3.pt")
+    exit_2_one_line(capsys, run_argv(shards, model, tmp_path, "b", "--resume", step, "--accum-freq", "4",
+                                     "--workers", "1"),
+                    "saved at step 3 inside epoch 0", "--accum-freq 2 (now 4)", "--workers 0 (now 1)")
+    assert not (tmp_path / "b").exists()
+
+
+HOLDER = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+os.write(fd, b"host test pid %d" % os.getpid())
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_run_folder_held_by_a_live_process(setup, tmp_path, capsys):
+    shards, model = setup
+    (tmp_path / "held").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "held/.lock")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        exit_2_one_line(capsys, run_argv(shards, model, tmp_path, "held", "--resume", "latest"),
+                        "is in use by another live process", f"pid {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert sorted(p.name for p in (tmp_path / "held").iterdir()) == [".lock"]
+
+
+def test_unwritable_logs_folder(setup, tmp_path, capsys):
+    shards, model = setup
+    (tmp_path / "file").write_text("not a folder")
+    exit_2_one_line(capsys, run_argv(shards, model, tmp_path / "file", "run", workers=0),
+                    f"cannot write {tmp_path / 'file'}", "Not a directory")
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    if os.geteuid() == 0:  # root ignores permission bits: a read-only mount is the real thing
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)]).returncode:
+            pytest.skip("cannot mount a read-only tmpfs here")
+    else:
+        readonly.chmod(0o555)
+    try:
+        exit_2_one_line(capsys, run_argv(shards, model, readonly, "run", workers=0),
+                        f"cannot write {readonly / 'run'}", "Errno")
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(readonly)])
