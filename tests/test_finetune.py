@@ -229,10 +229,10 @@ def test_sampling_flags_reach_the_data_config(shards):
 
     two = f"{shards.train}::{shards.train}"
     args = parse_args([*BASE, "--train-data", two, "--workers", "0", "--train-data-upsampling-factors", "1::2.5"])
-    loader, _ = build_data(args, World(), build_model())
+    loader, _ = build_data(args, World(), build_model(), torch.device("cpu"))
     assert loader.cfg.dataset_resampled is True and list(loader.cfg.upsampling_factors) == [1.0, 2.5]
     args = parse_args([*BASE, "--train-data", shards.train, "--workers", "0", "--no-dataset-resampled"])
-    loader, _ = build_data(args, World(), build_model())
+    loader, _ = build_data(args, World(), build_model(), torch.device("cpu"))
     assert loader.cfg.dataset_resampled is False and loader.cfg.upsampling_factors is None
 
 

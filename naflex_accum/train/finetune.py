@@ -112,25 +112,25 @@ def data_options(args) -> Dict:
 # ---- pretrained weights ---------------------------------------------------------------------------------------
 
 def read_state_dict(path: str) -> Dict[str, torch.Tensor]:
-    """A state_dict from a local file, tensors only (``weights_only``): raw, or under state_dict/model/EMA keys.
+    """A state_dict from a local file, read without running code from it: raw, or under state_dict/model keys.
 
-    timm's reader handles .safetensors, the nested keys and the ``module.`` prefix of DDP checkpoints.
+    The trainer's safe reader opens it (``.pt`` with ``weights_only``, or ``.safetensors``);
+    timm's ``clean_state_dict`` drops the ``module.`` prefix of DDP checkpoints.
     """
     import os
 
-    from timm.models import load_state_dict
+    from timm.models import clean_state_dict
+
+    from .checkpoint import load_payload
 
     if not os.path.isfile(path):
         raise UsageError(f"--pretrained {path}: no such file; give a local weights file (pretrained tags such as "
                          f"'laion2b_s34b_b79k' need a download, which this trainer does not do)")
-    try:
-        state_dict = load_state_dict(path, use_ema=False, weights_only=True)
-    except Exception as exc:  # truncated, foreign or pickled-object files: one line, not a pickle traceback
-        first = (str(exc).splitlines() or [""])[0]
-        raise UsageError(f"--pretrained {path}: cannot read weights from it ({type(exc).__name__}: {first})") from None
-    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+    payload = load_payload(path, flag="--pretrained")
+    state_dict = next((payload[k] for k in ("state_dict", "model") if isinstance(payload.get(k), dict)), payload)
+    if not state_dict or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         raise UsageError(f"--pretrained {path}: holds no state_dict of tensors")
-    return state_dict
+    return clean_state_dict(state_dict)
 
 
 def mismatch(model_sd: Dict, file_sd: Dict) -> str:
