@@ -106,6 +106,13 @@ def random_window(split: Sequence[int], seed: int = 0, seq_lens: Optional[Sequen
                          vocab_size=spec.vocab_size) for j, n in enumerate(split)]
 
 
+def to_device(obj, device):
+    """A (nested) batch with every tensor moved to ``device``."""
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj.to(device) if isinstance(obj, torch.Tensor) else obj
+
+
 def split_window(examples: Dict, split: Sequence[int]) -> List[Dict]:
     """Split one concatenated batch into microbatches of the given sizes, in order."""
     def take(obj, lo, hi):
@@ -200,7 +207,7 @@ def compare(grads, reference, scale: float):
 def audit_case(step_fn: Callable, make_task: Callable, loss: str, mode: str, split: Sequence[int],
                stochastic: bool = False, reference_batch_size: int = 4, seed: int = 0,
                scaler=None, tol: float = 1e-5, window: Optional[WindowSpec] = None,
-               autocast=nullcontext) -> AuditResult:
+               autocast=nullcontext, device=None) -> AuditResult:
     """Compare ``step_fn`` on one split of a random window with the full-batch gradient.
 
     ``make_task(loss, stochastic)`` builds a seeded task (the same weights on
@@ -208,11 +215,15 @@ def audit_case(step_fn: Callable, make_task: Callable, loss: str, mode: str, spl
     label) and picks the window's look (``window_spec(loss)``: dense images for
     'coca'), unless ``window`` says otherwise. ``autocast`` (a context factory,
     as upstream passes it) wraps the step's forwards and the reference's alike.
+    ``device``: where the task and the window go (e.g. 'cuda').
     """
     task = make_task(loss, stochastic)
     task.train()
     window = window or window_spec(loss)
     batches = random_window(split, seed, spec=window)
+    if device is not None:
+        task.to(device)
+        batches = [to_device(b, device) for b in batches]
     seeds = [1000 + j for j in range(len(split))]
     reference, ref_loss = full_batch_grads(task, batches, seeds, chunked=stochastic, autocast=autocast)
     args = SimpleNamespace(accum_freq=len(split), batch_size=reference_batch_size,
