@@ -53,7 +53,10 @@ class CachedLossStep(AccumulationStep):
         if scaler is not None:
             scaled = scaler.scale(scaled)
         targets = [*leaves.values(), *logits.values()]
-        grads = torch.autograd.grad(scaled, targets, allow_unused=True) if scaled.requires_grad else [None] * len(targets)
+        if scaled.requires_grad:
+            grads = torch.autograd.grad(scaled, targets, allow_unused=True)
+        else:  # a loss that depends on no cached output: nothing to back-propagate
+            grads = [None] * len(targets)
         feature_grads = {key: g.split(lengths[key]) for key, g in zip(leaves, grads) if g is not None}
         logit_grads = {key: g for key, g in zip(logits, grads[len(leaves):]) if g is not None}
         return CachedLossState(feature_grads, logit_grads, [1.0] * len(factors) if common is not None else factors,

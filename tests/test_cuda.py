@@ -16,6 +16,7 @@ import torch
 from naflex_accum import cached_loss_step, replay_step
 from naflex_accum.audit import audit_case, default_task_factory, random_window, to_device
 from naflex_accum.testing.bugs import bug_step
+from test_precision import CountingSGD
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -79,16 +80,6 @@ def test_cuda_bf16_autocast_equivalence(accum, loss):
         r = audit_case(ACCUM[accum], default_task_factory, loss, "linear", split, stochastic=True, autocast=bf16,
                        device="cuda")
         check(r, BF16_TOL, LOGIT_TOL)
-
-
-class CountingSGD(torch.optim.SGD):
-    def __init__(self, params):
-        super().__init__(params, lr=0.1)
-        self.steps = 0
-
-    def step(self, closure=None):
-        self.steps += 1
-        return super().step(closure)
 
 
 @pytest.mark.parametrize("init_scale,overflows", ((2.0 ** 40, True), (2.0 ** 8, False)))

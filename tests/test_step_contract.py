@@ -143,8 +143,10 @@ def test_dense_window_is_unscaled(make_task):
     assert ratios["logit_scale"] == pytest.approx(1.0, rel=1e-5)
 
 
-def test_rng_stream_outside_is_undisturbed(make_task):
+@pytest.mark.parametrize("checkpointing", (False, True), ids=("plain", "grad-checkpointing"))
+def test_rng_stream_outside_is_undisturbed(make_task, checkpointing):
     task = make_task("clip", True)
+    task.trainable_module.set_grad_checkpointing(checkpointing)  # its recomputation must not draw either
     batches = random_window((2, 1))
     torch.manual_seed(7)
     run_window(task, batches, make_args())
