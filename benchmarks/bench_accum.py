@@ -165,7 +165,7 @@ def one_step(task, optimizer, step_fn, microbatches, k):
     assert result is not None
 
 
-def time_setting(setting, ks, repeats, warmup, quick, fns):
+def time_setting(setting, ks, repeats, warmup, quick, fns, stat=statistics.median):
     import torch
 
     task, batch = build(setting, quick)
@@ -180,7 +180,7 @@ def time_setting(setting, ks, repeats, warmup, quick, fns):
             one_step(task, optimizer, fns[variant], windows[k], k)
             if r >= warmup:
                 times[(variant, k)].append(time.perf_counter() - start)
-    return {row: statistics.median(v) for row, v in times.items()}
+    return {row: stat(v) for row, v in times.items()}
 
 
 def _status_kb(field):
@@ -269,6 +269,8 @@ def parse_args():
     parser.add_argument("--ks", type=int, nargs="+", default=None, help="microbatches per window (default 2 4 8)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5; --quick 1)")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--stat", choices=("median", "min"), default="median",
+                        help="per-variant statistic over the repeats (min: steadier on a shared machine)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="small models, k = 2 4, one repeat: a smoke run")
     parser.add_argument("--no-memory", action="store_true")
@@ -292,11 +294,12 @@ def main():
         print(memory_probe(args.probe[0], args.probe[1], int(args.probe[2]), args.quick, upstream_step))
         return 0
     settings = list(SETTINGS) if args.setting == "both" else [args.setting]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {args.repeats} interleaved "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.stat} of {args.repeats} interleaved "
           f"repeats after {args.warmup} warm-up{' (--quick: small models)' if args.quick else ''}\nupstream: {label}")
     fns, all_times, memory = steps(upstream_step), {}, None
     for setting in settings:
-        all_times[setting] = time_setting(setting, args.ks, args.repeats, args.warmup, args.quick, fns)
+        stat = min if args.stat == "min" else statistics.median
+        all_times[setting] = time_setting(setting, args.ks, args.repeats, args.warmup, args.quick, fns, stat)
         report(setting, all_times[setting], args.ks, args.quick)
     if not args.no_memory and "tower-heavy" in settings:
         memory = memory_setting("tower-heavy", 4, args.quick, torch.get_num_threads())
