@@ -77,8 +77,9 @@ def load_upstream(stand_in: bool, snapshot: Path):
     src = os.environ.get(SRC_ENV)
     if src is None and not stand_in:
         if not snapshot.is_file():
-            sys.exit(f"bench_accum: upstream snapshot {snapshot} not found; pass --upstream PATH to the "
-                     f"open_clip-89fb801.tar.gz, or --stand-in to time upstream's step as re-stated here")
+            print(f"bench_accum: upstream snapshot {snapshot} not found; pass --upstream PATH to the "
+                  f"open_clip-89fb801.tar.gz, or --stand-in to time upstream's step as re-stated here", file=sys.stderr)
+            sys.exit(2)
         folder = tempfile.mkdtemp(prefix="naflex-bench-upstream-")
         with tarfile.open(snapshot) as tar:
             tar.extractall(folder, filter="data")
