@@ -1,21 +1,35 @@
-"""Accumulation cost against a full-batch step, on the CPU, in one process.
+"""Accumulation cost against upstream open_clip main's real step, on the CPU, in one process.
 
-For a window of N samples in k microbatches (k = 1, 2, 4, 8) it times, with
-warm-up and interleaved repeats, the median optimizer step of:
-  full        one full-batch step over the N samples (accum_freq 1): the baseline, 1.00x
-  upstream    upstream-style replay: the whole-window loss recomputed per
-              microbatch, each replay scaled by its own size, logit parameters
-              live in every replay, no RNG replay (written here as the baseline
-              of the replay cost)
-  replay      naflex_accum.train_step_eager (replay with one window scale)
-  cached-loss naflex_accum.cached_loss_step (window loss once, GradCache)
-and, with --memory, each variant's steady-state peak memory during a step
-(the rise of the process's peak RSS over its RSS before the step, measured in
-a fresh process after one warm-up step, so weights and optimizer state are
-excluded), as a ratio to the full-batch step's.
+Upstream's ``open_clip_train.train._train_step_eager`` is loaded from the pinned
+snapshot (``../shared/upstream/open_clip-89fb801.tar.gz`` from the checkout
+root, extracted to a temporary folder whose ``src`` goes first on sys.path),
+the models are built by upstream's factory (``open_clip.create_model`` with a
+timm NaFlexVit tower, ``force_naflex_vision``) and wrapped in upstream's
+``CLIPTask``; our steps run on the same objects. For a window of N samples in k
+microbatches it times, with warm-up and interleaved repeats (the order rotates
+each repeat), the median optimizer step of:
+  full      upstream's step with accum_freq 1 over the N samples: the baseline, 1.00x
+  upstream  upstream's step, accum_freq k
+  replay    naflex_accum.replay_step (the window loss per microbatch, as upstream)
+  default   naflex_accum.train_step_eager (cached-loss: the window loss once)
+and prints each ratio against ``full`` and against ``upstream``, the targets
+with PASS/FAIL, and (tower-heavy, k = 4) each step's peak memory: the rise of
+the process's peak RSS (VmHWM, reset through /proc/self/clear_refs) over its
+RSS before one steady-state step, measured in a fresh process per variant
+after one warm-up step, so weights, gradients and optimizer state are
+excluded. The probe runs with glibc's mmap threshold at 64 KiB and no trim
+threshold, so every tensor's memory is mapped on allocation and unmapped on
+free: RSS then follows torch's live allocations instead of malloc's cache.
+``*-older`` are our steps in the previous order (every microbatch replayed,
+``reuse_last_graph = False``): today's step against the new one.
 
-    python benchmarks/bench_accum.py                # both settings, timing and memory
+    python benchmarks/bench_accum.py             # both settings, k = 2 4 8, 5 repeats, memory
+    python benchmarks/bench_accum.py --quick     # small models, k = 2 4, 1 repeat: a smoke run
     python benchmarks/bench_accum.py --setting loss-heavy --repeats 9 --no-memory
+
+Without the snapshot it stops with one line, unless ``--stand-in``: then
+``upstream`` is upstream's step re-stated (``naflex_accum.testing.bugs.upstream_style_step``)
+on models from our own factory, and the output says so.
 """
 import argparse
 import json
@@ -23,65 +37,105 @@ import os
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from types import SimpleNamespace
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+SNAPSHOT = ROOT.parent / "shared" / "upstream" / "open_clip-89fb801.tar.gz"
+SRC_ENV = "NAFLEX_BENCH_UPSTREAM_SRC"  # set for memory probes: the extracted src, or "stand-in"
 
-from naflex_accum.cached_loss import cached_loss_step
-from naflex_accum.models import create_model
-from naflex_accum.step import LOGIT_KEYS, AccumulationStep, train_step_eager
-from naflex_accum.tasks import create_task
-
+# (vision: timm NaFlexVit size, text tower, N samples per window, NaFlex sequence length, embed dim)
 SETTINGS = {
-    # narrow towers, large N: the N x N loss dominates (the issue's measurement: embedding dim 512, N = 2048)
-    "loss-heavy": dict(n=2048, seq_len=16, embed_dim=512, vision=("naflexvit_tiny_patch16_gap", 32),
-                       text=dict(width=32, heads=2, layers=1), context=16),
-    # ViT-S-like towers (width 384, 6 heads), N = 64: the towers dominate
-    "tower-heavy": dict(n=64, seq_len=64, embed_dim=384, vision=("naflexvit_small_patch16_gap", 384),
+    # ViT-S-like towers (width 384, 12 blocks), N = 64: the towers dominate
+    "tower-heavy": dict(n=64, seq_len=64, embed_dim=384, vision=dict(embed_dim=384, depth=12, num_heads=6),
                         text=dict(width=384, heads=6, layers=12), context=32),
+    # narrow towers, N = 1024, embed dim 512: the N x N loss dominates
+    "loss-heavy": dict(n=1024, seq_len=16, embed_dim=512, vision=dict(embed_dim=32, depth=1, num_heads=2),
+                       text=dict(width=32, heads=2, layers=1), context=16),
 }
-KS = (1, 2, 4, 8)
+QUICK = {
+    "tower-heavy": dict(n=16, seq_len=16, embed_dim=64, vision=dict(embed_dim=64, depth=2, num_heads=2),
+                        text=dict(width=64, heads=2, layers=2), context=16),
+    "loss-heavy": dict(n=256, seq_len=16, embed_dim=256, vision=dict(embed_dim=32, depth=1, num_heads=2),
+                       text=dict(width=32, heads=2, layers=1), context=16),
+}
+# (setting, k, variant, baseline, at most): the targets, ratios of step times in one run
+TARGETS = [("tower-heavy", 2, "default", "upstream", 0.90), ("tower-heavy", 4, "default", "upstream", 0.96),
+           *[(s, k, "replay", "upstream", 1.0) for s in SETTINGS for k in (2, 4, 8)],
+           ("loss-heavy", 4, "default", "upstream", 0.65)]
+MEMORY_VARIANTS = ("full", "upstream", "replay-older", "replay", "default-older", "default")
+MEMORY_TARGET = ("tower-heavy", 4, "default", "default-older", 1.0)
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}  # RSS = live tensors
 
 
-class UpstreamStyleStep(AccumulationStep):
-    """Upstream open_clip main's replay: per-replay scale, live logit parameters every replay, fresh RNG."""
+def load_upstream(stand_in: bool, snapshot: Path):
+    """Put upstream's src first on sys.path (extracting the snapshot once); return (its step, its label)."""
+    src = os.environ.get(SRC_ENV)
+    if src is None and not stand_in:
+        if not snapshot.is_file():
+            print(f"bench_accum: upstream snapshot {snapshot} not found; pass --upstream PATH to the "
+                  f"open_clip-89fb801.tar.gz, or --stand-in to time upstream's step as re-stated here", file=sys.stderr)
+            sys.exit(2)
+        folder = tempfile.mkdtemp(prefix="naflex-bench-upstream-")
+        with tarfile.open(snapshot) as tar:
+            tar.extractall(folder, filter="data")
+        src = str(next(Path(folder).glob("*/src")))
+        os.environ[SRC_ENV] = src
+    if stand_in or src == "stand-in":
+        os.environ[SRC_ENV] = "stand-in"
+        from naflex_accum.testing.bugs import upstream_style_step
+        return upstream_style_step, "upstream-style stand-in (naflex_accum.testing.bugs; no snapshot)"
+    sys.path.insert(0, src)
+    from open_clip_train.train import _train_step_eager
+    import open_clip
+    return _train_step_eager, f"open_clip_train.train._train_step_eager from {src} (open_clip {open_clip.__version__})"
 
-    def replay_scale(self, window, j):
-        if window.mode == "none":
-            return 1.0
-        ratio = window.microbatches[j].size / window.reference_batch_size
-        return ratio ** 0.5 if window.mode == "sqrt" else ratio
 
-    def logit_inputs(self, model_out, j, k):
-        return {key: model_out[key] for key in LOGIT_KEYS if key in model_out}
+def build(setting: str, quick: bool):
+    """(task, one batch of N samples): upstream's factory and CLIPTask, or ours for the stand-in."""
+    import torch
 
-    def replay_rng(self, microbatch):
-        return nullcontext()
-
-
-VARIANTS = {"upstream": UpstreamStyleStep(), "replay": train_step_eager, "cached-loss": cached_loss_step}
-
-
-def build(setting: str):
-    s = SETTINGS[setting]
+    s = (QUICK if quick else SETTINGS)[setting]
     torch.manual_seed(0)
-    cfg = {"embed_dim": s["embed_dim"],
-           "vision_cfg": {"timm_model_name": s["vision"][0], "timm_pool": "avg", "timm_proj": "linear",
-                          "image_size": 224},
+    vision = {"image_size": 224, "timm_model_name": "naflexvit_base_patch16_gap", "timm_model_pretrained": False,
+              "timm_pool": "avg", "timm_proj": "linear", "timm_model_kwargs": {**s["vision"], "reg_tokens": 1}}
+    cfg = {"embed_dim": s["embed_dim"], "vision_cfg": vision,
            "text_cfg": {"context_length": s["context"], "vocab_size": 49408, **s["text"]}}
-    task = create_task(create_model(cfg))
+    if os.environ.get(SRC_ENV) == "stand-in":
+        from naflex_accum.models import create_model
+        from naflex_accum.tasks import create_task
+        size = "small" if s["vision"]["embed_dim"] >= 384 else "tiny"  # the NaFlexVit sizes models.py registers
+        cfg["vision_cfg"] = {"timm_model_name": f"naflexvit_{size}_patch16_gap", "timm_pool": "avg",
+                             "timm_proj": "linear", "image_size": 224}
+        task = create_task(create_model(cfg))
+    else:
+        import open_clip
+        from open_clip.task import CLIPTask
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "open_clip_config.json"), "w") as f:
+                json.dump({"model_cfg": cfg}, f)
+            model = open_clip.create_model(f"local-dir:{folder}", force_naflex_vision=True, output_dict=True)
+        task = CLIPTask(model, verbose=False)
     task.train()
+    return task, random_batch(s["n"], s["seq_len"], s["context"])
+
+
+def random_batch(n, seq_len, context):
+    import torch
+
     g = torch.Generator().manual_seed(0)
-    n, L = s["n"], s["seq_len"]
-    side = int(L ** 0.5)
-    coord = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(1, L, 2)
-    image = {"patches": torch.randn(n, L, 768, generator=g), "patch_coord": coord.expand(n, L, 2).contiguous(),
-             "patch_valid": torch.ones(n, L, dtype=torch.bool)}
-    text = torch.randint(1, 49000, (n, s["context"]), generator=g)
+    side = int(seq_len ** 0.5)
+    coord = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1)
+    coord = coord.reshape(1, side * side, 2).expand(n, -1, -1).contiguous()
+    image = {"patches": torch.randn(n, side * side, 768, generator=g), "patch_coord": coord,
+             "patch_valid": torch.ones(n, side * side, dtype=torch.bool)}
+    text = torch.randint(1, 49000, (n, context), generator=g)
     text[:, -1] = 49407
-    return task, {"image": image, "text": text}
+    return {"image": image, "text": text}
 
 
 def split(batch, k):
@@ -93,6 +147,16 @@ def split(batch, k):
     return [take(batch, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
+def steps(upstream_step):
+    """variant -> step function; ``*-older``: our modes in the previous order (every microbatch replayed)."""
+    from naflex_accum import CachedLossStep, ReplayStep, replay_step, train_step_eager
+
+    older = {name: type(f"Older{cls.__name__}", (cls,), {"reuse_last_graph": False})()
+             for name, cls in (("replay-older", ReplayStep), ("default-older", CachedLossStep))}
+    return {"full": upstream_step, "upstream": upstream_step, "replay": replay_step, "default": train_step_eager,
+            **older}
+
+
 def one_step(task, optimizer, step_fn, microbatches, k):
     args = SimpleNamespace(accum_freq=k, batch_size=len(microbatches[0]["text"]), naflex_loss_scale="linear",
                            grad_clip_norm=None)
@@ -102,29 +166,25 @@ def one_step(task, optimizer, step_fn, microbatches, k):
     assert result is not None
 
 
-def plan(ks):
-    """(label, step, k) for every timed variant; the full-batch step is k = 1 of our replay step."""
-    rows = [("full", train_step_eager, 1)]
-    rows += [(name, fn, k) for k in ks if k > 1 for name, fn in VARIANTS.items()]
-    return rows
+def time_setting(setting, ks, repeats, warmup, quick, fns, stat=statistics.median):
+    import torch
 
-
-def time_setting(setting, ks, repeats, warmup):
-    task, batch = build(setting)
+    task, batch = build(setting, quick)
     optimizer = torch.optim.AdamW(task.parameters(), lr=1e-5)
-    rows = plan(ks)
-    windows = {k: split(batch, k) for k in set(r[2] for r in rows)}
-    times = {(label, k): [] for label, _, k in rows}
+    rows = [("full", 1)] + [(v, k) for k in ks for v in ("upstream", "replay", "default")]
+    windows = {k: split(batch, k) for k in {1, *ks}}
+    times = {row: [] for row in rows}
     for r in range(warmup + repeats):
-        for label, fn, k in rows:  # interleaved, so drift hits every variant alike
+        shift = r % len(rows)  # rotate the order: drift hits every variant alike
+        for variant, k in rows[shift:] + rows[:shift]:
             start = time.perf_counter()
-            one_step(task, optimizer, fn, windows[k], k)
+            one_step(task, optimizer, fns[variant], windows[k], k)
             if r >= warmup:
-                times[(label, k)].append(time.perf_counter() - start)
-    return {key: statistics.median(v) for key, v in times.items()}
+                times[(variant, k)].append(time.perf_counter() - start)
+    return {row: stat(v) for row, v in times.items()}
 
 
-def _rss_kb(field):
+def _status_kb(field):
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field):
@@ -132,80 +192,128 @@ def _rss_kb(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def memory_probe(setting, label, k) -> int:
-    """Peak RSS rise (KiB) during one steady-state step: runs in a fresh process."""
-    task, batch = build(setting)
+def memory_probe(setting, variant, k, quick, upstream_step) -> int:
+    """Peak RSS rise (KiB) during one steady-state step of ``variant``: runs in a fresh process."""
+    import torch
+
+    task, batch = build(setting, quick)
     optimizer = torch.optim.AdamW(task.parameters(), lr=1e-5)
-    fn = train_step_eager if label == "full" else VARIANTS[label]
-    window = split(batch, k)
+    k = 1 if variant == "full" else k
+    window, fn = split(batch, k), steps(upstream_step)[variant]
     one_step(task, optimizer, fn, window, k)  # allocates gradients and optimizer state
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
-    before = _rss_kb("VmRSS:")
+    before = _status_kb("VmRSS:")
     one_step(task, optimizer, fn, window, k)
-    return _rss_kb("VmHWM:") - before
+    return _status_kb("VmHWM:") - before
 
 
-def memory_setting(setting, ks):
+def memory_setting(setting, k, quick, threads):
     out = {}
-    for label, _, k in plan(ks):
-        proc = subprocess.run([sys.executable, __file__, "--probe", setting, label, str(k)], capture_output=True,
-                              text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
+    for variant in MEMORY_VARIANTS:
+        cmd = [sys.executable, __file__, "--probe", setting, variant, str(k), "--threads", str(threads)]
+        proc = subprocess.run(cmd + (["--quick"] if quick else []), capture_output=True, text=True, timeout=3600,
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads), **MALLOC_ENV})
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-2000:])
-        out[(label, k)] = int(proc.stdout.strip().splitlines()[-1])
+        out[variant] = int(proc.stdout.strip().splitlines()[-1])
     return out
 
 
-def report(setting, times, memory, ks):
-    s = SETTINGS[setting]
-    full_t, full_m = times[("full", 1)], memory.get(("full", 1)) if memory else None
-    print(f"\n{setting}: N = {s['n']} samples per window, seq len {s['seq_len']}, embed dim {s['embed_dim']}; "
-          f"full-batch step {full_t * 1000:.0f} ms" + (f", peak +{full_m / 1024:.0f} MiB" if full_m else ""))
-    head = "| k | variant | step time vs full | vs upstream-style |" + (" peak memory vs full |" if memory else "")
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
+def report(setting, times, ks, quick):
+    s = (QUICK if quick else SETTINGS)[setting]
+    full = times[("full", 1)]
+    print(f"\n{setting}: N = {s['n']} samples per window, seq len {s['seq_len']}, embed dim {s['embed_dim']}, "
+          f"vision width {s['vision']['embed_dim']} x {s['vision']['depth']}, text width {s['text']['width']} x "
+          f"{s['text']['layers']}; full-batch step {full * 1000:.0f} ms")
+    print("| k | variant | step (ms) | vs full | vs upstream |")
+    print("|---|---|---|---|---|")
     for k in ks:
-        if k == 1:
+        for variant in ("upstream", "replay", "default"):
+            t = times[(variant, k)]
+            print(f"| {k} | {variant} | {t * 1000:.0f} | {t / full:.2f}x | {t / times[('upstream', k)]:.2f}x |")
+
+
+def check_targets(all_times, memory):
+    print("\n| target | measured | result |")
+    print("|---|---|---|")
+    failed = 0
+    for setting, k, variant, base, limit in TARGETS:
+        times = all_times.get(setting)
+        if times is None or (variant, k) not in times:
             continue
-        for label in VARIANTS:
-            t = times[(label, k)]
-            cells = [str(k), label, f"{t / full_t:.2f}x", f"{t / times[('upstream', k)]:.2f}x"]
-            if memory:
-                cells.append(f"{memory[(label, k)] / full_m:.2f}x")
-            print("| " + " | ".join(cells) + " |")
+        ratio = times[(variant, k)] / times[(base, k)]
+        ok = ratio <= limit
+        failed += not ok
+        print(f"| {setting} k={k}: {variant} <= {limit:.2f}x {base} | {ratio:.3f}x | {'PASS' if ok else 'FAIL'} |")
+    if memory:
+        setting, k, variant, base, limit = MEMORY_TARGET
+        ratio = memory[variant] / memory[base]
+        failed += ratio > limit
+        print(f"| {setting} k={k}: peak memory of {variant} <= {limit:.2f}x {base} (today's order) | "
+              f"{ratio:.3f}x | {'PASS' if ratio <= limit else 'FAIL'} |")
+    return failed
 
 
-def main():
+def report_memory(setting, k, memory):
+    print(f"\n{setting}, k = {k}: peak RSS rise during one steady-state step (fresh process per variant)")
+    print("| variant | peak rise (MiB) | vs full | vs default-older |")
+    print("|---|---|---|---|")
+    for variant in MEMORY_VARIANTS:
+        m = memory[variant]
+        print(f"| {variant} | {m / 1024:.0f} | {m / memory['full']:.2f}x | {m / memory['default-older']:.2f}x |")
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setting", choices=(*SETTINGS, "both"), default="both")
-    parser.add_argument("--ks", type=int, nargs="+", default=list(KS))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ks", type=int, nargs="+", default=None, help="microbatches per window (default 2 4 8)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5; --quick 1)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--stat", choices=("median", "min"), default="median",
+                        help="per-variant statistic over the repeats (min: steadier on a shared machine)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="small models, k = 2 4, one repeat: a smoke run")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--upstream", type=Path, default=SNAPSHOT, help="the pinned upstream snapshot (.tar.gz)")
+    parser.add_argument("--stand-in", action="store_true", help="no snapshot: time upstream's step as re-stated")
     parser.add_argument("--json", default=None, help="also write the raw numbers to this file")
     parser.add_argument("--probe", nargs=3, metavar=("SETTING", "VARIANT", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args.ks = args.ks or ([2, 4] if args.quick else [2, 4, 8])
+    args.repeats = args.repeats or (1 if args.quick else 5)
+    return args
+
+
+def main():
+    args = parse_args()
+    upstream_step, label = load_upstream(args.stand_in, args.upstream)
+    import torch
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     if args.probe:
-        print(memory_probe(args.probe[0], args.probe[1], int(args.probe[2])))
-        return
+        print(memory_probe(args.probe[0], args.probe[1], int(args.probe[2]), args.quick, upstream_step))
+        return 0
     settings = list(SETTINGS) if args.setting == "both" else [args.setting]
-    ks = sorted(set(args.ks) | {1})
-    print(f"torch {torch.__version__}, {args.threads} thread(s), median of {args.repeats} interleaved repeats "
-          f"after {args.warmup} warm-up")
-    raw = {}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.stat} of {args.repeats} interleaved "
+          f"repeats after {args.warmup} warm-up{' (--quick: small models)' if args.quick else ''}\nupstream: {label}")
+    fns, all_times, memory = steps(upstream_step), {}, None
     for setting in settings:
-        times = time_setting(setting, ks, args.repeats, args.warmup)
-        memory = None if args.no_memory else memory_setting(setting, ks)
-        report(setting, times, memory, ks)
-        raw[setting] = {"times": {f"{a}@{k}": v for (a, k), v in times.items()},
-                        "memory_kib": {f"{a}@{k}": v for (a, k), v in (memory or {}).items()}}
+        stat = min if args.stat == "min" else statistics.median
+        all_times[setting] = time_setting(setting, args.ks, args.repeats, args.warmup, args.quick, fns, stat)
+        report(setting, all_times[setting], args.ks, args.quick)
+    if not args.no_memory and "tower-heavy" in settings:
+        memory = memory_setting("tower-heavy", 4, args.quick, torch.get_num_threads())
+        report_memory("tower-heavy", 4, memory)
+    failed = check_targets(all_times, memory)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(raw, f, indent=1)
+            json.dump({s: {f"{v}@{k}": t for (v, k), t in times.items()} for s, times in all_times.items()}
+                      | {"memory_kib": memory or {}}, f, indent=1)
+    print(f"\n{'all targets met' if not failed else f'{failed} target(s) missed'}"
+          f"{' (small models: the targets are for the full settings)' if args.quick else ''}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

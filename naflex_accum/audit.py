@@ -14,7 +14,7 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,8 +42,42 @@ class GradProbe(torch.optim.Optimizer):
                       for group in self.param_groups for p in group["params"]}
 
 
+@dataclass(frozen=True)
+class WindowSpec:
+    """What a random audit window looks like: NaFlex or dense images, text length and vocabulary.
+
+    Match it to the model under audit: ``image_size`` is a dense model's input
+    size, ``context_length`` at most the text tower's, ``vocab_size`` its
+    vocabulary (the last id is the end-of-text token, where open_clip's CLIP text
+    tower pools).
+    """
+    images: str = "naflex"  # or "dense"
+    image_size: int = 32
+    context_length: int = 32
+    vocab_size: int = 49408
+    seq_lens: Tuple[int, ...] = (16, 24, 36)  # NaFlex: microbatch j's sequence length is seq_lens[j % len]
+
+
+# Per loss name: CoCa's image tower is a dense ViT (see models.COCA_TINY for the built-in one).
+WINDOW_SPECS = {"coca": WindowSpec(images="dense", context_length=16, vocab_size=1024)}
+
+
+def window_spec(loss: str) -> WindowSpec:
+    return WINDOW_SPECS.get(loss, WindowSpec())
+
+
+def random_text(n: int, generator: torch.Generator, context_length: int = 32, vocab_size: int = 49408):
+    """Random token ids, each row ended by the end-of-text id (the vocabulary's last) and zero-padded."""
+    eot = vocab_size - 1
+    text = torch.randint(1, min(49000, eot), (n, context_length), generator=generator)
+    lengths = torch.randint(3, context_length, (n,), generator=generator)
+    text[torch.arange(n), lengths] = eot
+    text[torch.arange(context_length)[None] > lengths[:, None]] = 0
+    return text
+
+
 def random_batch(n: int, seq_len: int, generator: torch.Generator, patch_size: int = 16,
-                 context_length: int = 32) -> Dict:
+                 context_length: int = 32, vocab_size: int = 49408) -> Dict:
     """``n`` random images of different sizes and aspect ratios (1:4 to 4:1) as one NaFlex batch."""
     items = []
     for _ in range(n):
@@ -51,17 +85,32 @@ def random_batch(n: int, seq_len: int, generator: torch.Generator, patch_size: i
         side = int(32 + torch.randint(0, 96, (), generator=generator))
         h, w = max(8, int(side / math.sqrt(aspect))), max(8, int(side * math.sqrt(aspect)))
         items.append(image_to_patches(torch.rand(3, h, w, generator=generator), seq_len, patch_size))
-    text = torch.randint(1, 49000, (n, context_length), generator=generator)
-    lengths = torch.randint(3, context_length, (n,), generator=generator)
-    text[torch.arange(n), lengths] = EOT_TOKEN
-    text[torch.arange(context_length)[None] > lengths[:, None]] = 0
+    text = random_text(n, generator, context_length, vocab_size)
     return {"image": collate_patches(items, seq_len), "text": text}
 
 
-def random_window(split: Sequence[int], seed: int = 0, seq_lens: Sequence[int] = (16, 24, 36)) -> List[Dict]:
-    """One window: microbatch j has ``split[j]`` examples at sequence length ``seq_lens[j % len]``."""
+def random_dense_batch(n: int, generator: torch.Generator, spec: WindowSpec) -> Dict:
+    image = torch.rand(n, 3, spec.image_size, spec.image_size, generator=generator)
+    return {"image": image, "text": random_text(n, generator, spec.context_length, spec.vocab_size)}
+
+
+def random_window(split: Sequence[int], seed: int = 0, seq_lens: Optional[Sequence[int]] = None,
+                  spec: Optional[WindowSpec] = None) -> List[Dict]:
+    """One window: microbatch j has ``split[j]`` examples (NaFlex: at sequence length ``seq_lens[j % len]``)."""
+    spec = spec or WindowSpec()
     g = torch.Generator().manual_seed(seed)
-    return [random_batch(n, seq_lens[j % len(seq_lens)], g) for j, n in enumerate(split)]
+    if spec.images == "dense":
+        return [random_dense_batch(n, g, spec) for n in split]
+    seq_lens = seq_lens or spec.seq_lens
+    return [random_batch(n, seq_lens[j % len(seq_lens)], g, context_length=spec.context_length,
+                         vocab_size=spec.vocab_size) for j, n in enumerate(split)]
+
+
+def to_device(obj, device):
+    """A (nested) batch with every tensor moved to ``device``."""
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj.to(device) if isinstance(obj, torch.Tensor) else obj
 
 
 def split_window(examples: Dict, split: Sequence[int]) -> List[Dict]:
@@ -72,24 +121,25 @@ def split_window(examples: Dict, split: Sequence[int]) -> List[Dict]:
     return [take(examples, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-def full_batch_grads(task, batches: List[Dict], seeds: Sequence[int], chunked: bool):
-    """Gradients of one backward of the loss over every example of ``batches``.
+def full_batch_grads(task, batches: List[Dict], seeds: Sequence[int], chunked: bool, autocast=nullcontext):
+    """Gradients of one backward of the loss over every example of ``batches`` (forward under ``autocast``).
 
     ``chunked``: run the forward per microbatch (each under its seed, as the
     step does, so stochastic layers draw the same masks), then one loss.
     """
     task.zero_grad(set_to_none=True)
-    if not chunked:
-        losses, _ = task(concat_batches(batches))
-    else:
-        outs = []
-        for seed, batch in zip(seeds, batches):
-            torch.manual_seed(seed)
-            outs.append(task.trainable_module(**batch))
-        feats = {k: torch.cat([o[k] for o in outs]) for k in outs[0] if k not in LOGIT_PARAMS}
-        logits = {k: outs[-1][k] for k in LOGIT_PARAMS if k in outs[-1]}
-        losses, _ = task.compute_accum_loss(feats, logits, batches)
-        losses["loss"] = sum(v for k, v in losses.items() if k.endswith("_loss"))
+    with autocast():
+        if not chunked:
+            losses, _ = task(concat_batches(batches))
+        else:
+            outs = []
+            for seed, batch in zip(seeds, batches):
+                torch.manual_seed(seed)
+                outs.append(task.trainable_module(**batch))
+            feats = {k: torch.cat([o[k] for o in outs]) for k in outs[0] if k not in LOGIT_PARAMS}
+            logits = {k: outs[-1][k] for k in LOGIT_PARAMS if k in outs[-1]}
+            losses, _ = task.compute_accum_loss(feats, logits, batches)
+            losses["loss"] = sum(v for k, v in losses.items() if k.endswith("_loss"))
     losses["loss"].backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
              for n, p in named_params(task)}
@@ -143,9 +193,10 @@ def compare(grads, reference, scale: float):
     worst, worst_name, ratios = 0.0, "", {}
     for name, ref in reference.items():
         target, got = ref * scale, grads[name]
-        if name in LOGIT_PARAMS:
-            ratios[name] = (got.sum() / target.sum()).item() if target.abs().sum() > 0 else float("nan")
-            continue
+        short = name.rsplit(".", 1)[-1]  # a wrapped model's logit parameters too
+        if short in LOGIT_PARAMS and target.abs().sum() > 0:
+            ratios[short] = (got.sum() / target.sum()).item()
+            continue  # (a logit parameter the loss does not use, as CoCa's logit_bias, counts as a tower one)
         denom = target.norm().item()
         err = (got - target).norm().item() / denom if denom > 0 else got.norm().item()
         if err > worst:
@@ -155,30 +206,51 @@ def compare(grads, reference, scale: float):
 
 def audit_case(step_fn: Callable, make_task: Callable, loss: str, mode: str, split: Sequence[int],
                stochastic: bool = False, reference_batch_size: int = 4, seed: int = 0,
-               scaler=None, tol: float = 1e-5) -> AuditResult:
-    """Compare ``step_fn`` on one split of a random window with the full-batch gradient."""
+               scaler=None, tol: float = 1e-5, window: Optional[WindowSpec] = None,
+               autocast=nullcontext, device=None) -> AuditResult:
+    """Compare ``step_fn`` on one split of a random window with the full-batch gradient.
+
+    ``make_task(loss, stochastic)`` builds a seeded task (the same weights on
+    every call); ``loss`` names the loss ('clip', 'siglip', 'coca' or any
+    label) and picks the window's look (``window_spec(loss)``: dense images for
+    'coca'), unless ``window`` says otherwise. ``autocast`` (a context factory,
+    as upstream passes it) wraps the step's forwards and the reference's alike.
+    ``device``: where the task and the window go (e.g. 'cuda').
+    """
     task = make_task(loss, stochastic)
     task.train()
-    batches = random_window(split, seed)
+    window = window or window_spec(loss)
+    batches = random_window(split, seed, spec=window)
+    if device is not None:
+        task.to(device)
+        batches = [to_device(b, device) for b in batches]
     seeds = [1000 + j for j in range(len(split))]
-    reference, ref_loss = full_batch_grads(task, batches, seeds, chunked=stochastic)
+    reference, ref_loss = full_batch_grads(task, batches, seeds, chunked=stochastic, autocast=autocast)
     args = SimpleNamespace(accum_freq=len(split), batch_size=reference_batch_size,
                            naflex_loss_scale=mode, grad_clip_norm=None)
-    grads, step_loss, n = accumulated_grads(step_fn, task, batches, seeds, args, scaler=scaler)
-    scale = window_loss_scale(list(split), reference_batch_size, mode)
+    grads, step_loss, n = accumulated_grads(step_fn, task, batches, seeds, args, scaler=scaler, autocast=autocast)
+    scale = window_loss_scale(list(split), reference_batch_size, mode, naflex=window.images == "naflex")
     err, worst, ratios = compare(grads, reference, scale)
     return AuditResult(loss, mode, tuple(split), stochastic, scale, err, worst, ratios,
                        abs(step_loss - ref_loss) / abs(ref_loss), n, tol)
 
 
-def default_task_factory(loss: str, stochastic: bool):
-    """The built-in tiny NaFlex CLIP/SigLIP task, seeded so every call builds the same weights."""
-    from .models import create_model
+def default_task_factory(loss: str, stochastic: bool, **model_options):
+    """The built-in tiny task, seeded so every call builds the same weights.
+
+    'clip'/'siglip': NaFlex CLIP (``naflex-tiny``); 'coca': a tiny dense CoCa
+    (``models.create_coca_model``). ``model_options`` go to the model factory.
+    """
+    from .models import create_coca_model, create_model
     from .tasks import create_task
 
     torch.manual_seed(0)
+    if loss == "coca":
+        extra = dict(patch_dropout=0.5, text_dropout=0.1) if stochastic else {}
+        return create_task(create_coca_model(**extra, **model_options), loss="coca")
     extra = dict(patch_dropout=0.5, drop_path=0.1, text_dropout=0.1) if stochastic else {}
-    return create_task(create_model("naflex-tiny", siglip=(loss == "siglip"), **extra), siglip=(loss == "siglip"))
+    model = create_model("naflex-tiny", siglip=(loss == "siglip"), **extra, **model_options)
+    return create_task(model, siglip=(loss == "siglip"))
 
 
 AUDIT_SPLITS = ((1, 2), (2, 1), (4, 4), (3, 5), (5, 3), (1, 2, 5), (5, 2, 1))

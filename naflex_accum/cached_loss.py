@@ -1,85 +1,87 @@
-"""Accumulation that computes the window loss once (the GradCache method, Gao et al. 2021).
+"""The default mode: the window loss computed once per window (the GradCache method, Gao et al. 2021).
 
-Invariant: the same as ``step.AccumulationStep`` (every parameter's gradient
+Invariant: the same as ``step.AccumulationStep``'s (every parameter's gradient
 equals ``window_scale * grad(full-batch loss)``, logit parameters counted
-once), reached with one loss evaluation per window instead of k: the cached
-features become leaves, the loss and its gradients with respect to them (and to
-the logit values) are computed once, then each microbatch is re-run with grad
-under its replayed random state and back-propagates its slice of that feature
-gradient through a surrogate dot product. The logit terms ride on the last,
-synced replay, so under DDP every parameter takes part in that backward.
+once), reached with one loss evaluation per window instead of k. Each key's
+cached outputs are concatenated once into a leaf of the step's own; the task's
+``compute_accum_loss`` gets its own copies of the inputs dicts (it may read,
+add, replace or drop entries, as upstream's CoCaTask does) and only the
+step's floating-point leaves and logit values are differentiated. Each leaf's
+gradient is split by that key's recorded per-microbatch lengths, and each
+microbatch back-propagates its slices through its live outputs (its replay,
+or for the last one the graph of its caching forward), times ``replay_scale``;
+the logit values that ``logit_inputs`` leaves attached take their gradient there.
 """
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .step import LOGIT_KEYS, AccumulationStep, Microbatch, detach_values, total_loss
-from .sync import grad_sync
+from .step import AccumulationStep, total_loss
 
-LOGIT_VALUES_KEY = "_naflex_accum_logit_values"
+
+@dataclass
+class CachedLossState:
+    feature_grads: Dict[str, List[torch.Tensor]]  # key -> one gradient slice per microbatch
+    logit_grads: Dict[str, torch.Tensor]
+    factors: List[float]  # what each microbatch's slices are still to be multiplied by
+    result: Tuple[Any, Any]
+
+
+def _uniform(values: List[float]) -> Optional[float]:
+    return values[0] if all(v == values[0] for v in values) else None
 
 
 class CachedLossStep(AccumulationStep):
     """Upstream's ``_train_step_eager`` signature; one loss evaluation per window."""
 
-    def cache(self, task, batch, accum_features, autocast) -> None:
-        with torch.no_grad(), autocast():
-            model_out = task.trainable_module(**batch)
-        for key, value in model_out.items():
-            if key in LOGIT_KEYS:
-                # Parameters, identical for every microbatch: keep the latest values.
-                accum_features.setdefault(LOGIT_VALUES_KEY, {})[key] = value
-            else:
-                accum_features.setdefault(key, []).append(value)
-
-    def window_loss(self, task, window, accum_batches, accum_features, scaler, autocast):
-        """Loss over the cached features, and its gradients with respect to features and logit values."""
-        logit_values = accum_features.pop(LOGIT_VALUES_KEY, {})
-        leaves = {key: torch.cat(cached).detach().requires_grad_() for key, cached in accum_features.items()}
-        logits = {key: value.detach().requires_grad_() for key, value in logit_values.items()}
+    def prepare(self, task, window, cache, accum_batches, scaler, autocast):
+        """The window loss over the cached outputs, and its gradients with respect to them and the logit values."""
+        inputs = cache.concatenated()
+        leaves = {key: value.requires_grad_() for key, value in inputs.items() if value.is_floating_point()}
+        logits = {key: value.detach().requires_grad_() for key, value in cache.logits.items()}
+        lengths = {key: cache.lengths(key) for key in leaves}
+        cache.features.clear()  # the concatenations hold the values now
         with autocast():
-            losses, report = task.compute_accum_loss(leaves, logits, accum_batches)
+            losses, report = task.compute_accum_loss(dict(inputs), dict(logits), list(accum_batches))
             loss = total_loss(losses)
             losses["loss"] = loss
-        scaled = loss * window.scale if window.scale != 1.0 else loss
+        del inputs
+        factors = [self.replay_scale(window, j) for j in range(len(accum_batches))]
+        common = _uniform(factors)
+        scaled = loss * common if common not in (None, 1.0) else loss  # the usual case: fold the scale in once
         if scaler is not None:
             scaled = scaler.scale(scaled)
-        inputs = list(leaves.values()) + list(logits.values())
-        grads = torch.autograd.grad(scaled, inputs, allow_unused=True)
-        feature_grads = dict(zip(leaves, grads[: len(leaves)]))
-        logit_grads = dict(zip(logits, grads[len(leaves):]))
-        return losses, report, feature_grads, logit_grads
+        targets = [*leaves.values(), *logits.values()]
+        if scaled.requires_grad:
+            grads = torch.autograd.grad(scaled, targets, allow_unused=True)
+        else:  # a loss that depends on no cached output: nothing to back-propagate
+            grads = [None] * len(targets)
+        feature_grads = {key: g.split(lengths[key]) for key, g in zip(leaves, grads) if g is not None}
+        logit_grads = {key: g for key, g in zip(logits, grads[len(leaves):]) if g is not None}
+        return CachedLossState(feature_grads, logit_grads, [1.0] * len(factors) if common is not None else factors,
+                               (losses, report))
 
-    def backward_window(self, task, window, accum_batches, accum_features, scaler, autocast):
-        losses, report, feature_grads, logit_grads = self.window_loss(
-            task, window, accum_batches, accum_features, scaler, autocast)
-        k, module, offset = len(accum_batches), task.trainable_module, 0
-        for j, (batch_j, mb) in enumerate(zip(accum_batches, window.microbatches)):
-            last = j == k - 1
-            with grad_sync(module, last):
-                with self.replay_rng(mb), autocast():
-                    model_out = module(**batch_j)
-                surrogate = self.surrogate(model_out, feature_grads, offset, mb, logit_grads if last else {})
-                surrogate.backward()
-            offset += mb.size
-        return detach_values(losses), detach_values(report)
-
-    @staticmethod
-    def surrogate(model_out: Dict, feature_grads: Dict, offset: int, mb: Microbatch, logit_grads: Dict):
-        """A scalar whose gradient w.r.t. the parameters is the window loss's, through this microbatch."""
-        terms: List[torch.Tensor] = []
-        for key, grad in feature_grads.items():
-            if grad is not None:
-                terms.append((model_out[key] * grad[offset: offset + mb.size]).sum())
-        for key, grad in logit_grads.items():
-            if grad is not None:
-                terms.append((model_out[key] * grad).sum())
-        return torch.stack([t.float() for t in terms]).sum()
+    def backward_microbatch(self, task, window, state, j, model_out, final, scaler, autocast):
+        factor = state.factors[j]
+        outputs, grads = [], []
+        for key, slices in state.feature_grads.items():
+            out = model_out[key]
+            if out.requires_grad:
+                outputs.append(out)
+                grads.append(slices[j] if factor == 1.0 else slices[j] * factor)
+        for key, value in self.logit_inputs(model_out, j, final).items():
+            grad = state.logit_grads.get(key)
+            if value.requires_grad and grad is not None:
+                outputs.append(value)
+                grads.append(grad if factor == 1.0 else grad * factor)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
 
 
 _CACHED_LOSS_STEP = CachedLossStep()
 
 
 def cached_loss_step(task, batch, accum_state, optimizer, scaler, autocast, args):
-    """Drop-in for ``open_clip_train.train._train_step_eager`` computing the window loss once."""
+    """Drop-in for ``open_clip_train.train._train_step_eager`` (the default mode: the window loss once per window)."""
     return _CACHED_LOSS_STEP(task, batch, accum_state, optimizer, scaler, autocast, args)

@@ -74,9 +74,14 @@ def load_config(name_or_path: str) -> dict:
 
 def set_text_dropout(model: nn.Module, p: float) -> None:
     """Attention dropout in every text-tower attention (open_clip 3.3.0 has no config field for it)."""
-    for module in model.transformer.modules():
-        if isinstance(module, nn.MultiheadAttention):
-            module.dropout = p
+    set_attention_dropout(model.transformer, p)
+
+
+def set_attention_dropout(module: nn.Module, p: float) -> None:
+    """Dropout ``p`` in every ``nn.MultiheadAttention`` under ``module``."""
+    for sub in module.modules():
+        if isinstance(sub, nn.MultiheadAttention):
+            sub.dropout = p
 
 
 def create_model(
@@ -86,11 +91,14 @@ def create_model(
         patch_dropout: Optional[float] = None,
         drop_path: Optional[float] = None,
         text_dropout: float = 0.0,
+        grad_checkpointing: bool = False,
 ):
     """An open_clip ``CLIP`` with a NaFlexVit image tower, returning a dict.
 
     ``siglip`` forces a ``logit_bias`` (init -10, logit scale init ln 10, as
     SigLIP) on or off; ``None`` keeps what the config says.
+    ``grad_checkpointing`` calls the model's own ``set_grad_checkpointing(True)``
+    (timm NaFlexVit's blocks and open_clip's text transformer).
     """
     from open_clip.model import CLIP
 
@@ -110,6 +118,59 @@ def create_model(
     model = CLIP(**cfg, output_dict=True)
     if text_dropout:
         set_text_dropout(model, text_dropout)
+    if grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    return model
+
+
+# A CoCa small enough for CPU tests: dense 32x32 images (open_clip's CoCa needs its own ViT's patch
+# tokens; neither open_clip 3.3.0 nor upstream main gives a timm NaFlexVit tower those).
+COCA_TINY = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "patch_size": 8, "layers": 2, "width": 32, "head_width": 16,
+                   "attentional_pool": True, "attn_pooler_heads": 2, "attn_pooler_queries": 8,
+                   "output_tokens": True},
+    "text_cfg": {"context_length": 16, "vocab_size": 1024, "width": 32, "heads": 2, "layers": 2,
+                 "embed_cls": True, "output_tokens": True},
+    "multimodal_cfg": {"context_length": 16, "vocab_size": 1024, "width": 32, "heads": 2, "layers": 1,
+                       "dim_head": 16, "attn_pooler_heads": 2},
+}
+_coca_class = None
+
+
+def _upstream_style_coca():
+    """open_clip's CoCa returning upstream main's outputs: logits at every text position, no ``labels``."""
+    global _coca_class
+    if _coca_class is None:
+        from open_clip.coca_model import CoCa
+
+        class UpstreamStyleCoCa(CoCa):
+            def forward(self, image, text=None, image_latent=None, image_embs=None):
+                return super().forward(image, text, image_latent, image_embs, output_labels=False)
+
+        _coca_class = UpstreamStyleCoCa
+    return _coca_class
+
+
+def create_coca_model(config: Optional[dict] = None, *, patch_dropout: Optional[float] = None,
+                      text_dropout: float = 0.0, logit_bias: bool = False, grad_checkpointing: bool = False):
+    """A tiny random open_clip ``CoCa`` (dense images) that returns upstream main's CoCa output dict.
+
+    ``text_dropout`` is attention dropout in the text tower and the text decoder;
+    ``logit_bias`` adds one (unused by CoCaLoss, as upstream's task pops it).
+    """
+    cfg = copy.deepcopy(config or COCA_TINY)
+    if patch_dropout is not None:
+        cfg["vision_cfg"]["patch_dropout"] = patch_dropout
+    model = _upstream_style_coca()(**cfg, init_logit_bias=-10.0 if logit_bias else None)
+    # open_clip (3.3.0 and main) leaves the decoder's output projection as torch.empty: initialise it.
+    decoder = model.text_decoder
+    nn.init.normal_(decoder.text_projection, std=decoder.width ** -0.5)
+    if text_dropout:
+        set_attention_dropout(model.text, text_dropout)
+        set_attention_dropout(model.text_decoder, text_dropout)
+    if grad_checkpointing:
+        model.set_grad_checkpointing(True)
     return model
 
 

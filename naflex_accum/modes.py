@@ -2,11 +2,13 @@
 
 Invariant: every mode here is exact (the equivalence tests run over all of
 them), so the default can be the fastest: ``cached-loss`` computes the window
-loss once; ``replay`` recomputes it per microbatch, as upstream does, and is
-kept for comparison and for losses whose cached evaluation one would rather
-not trust. ``NAFLEX_ACCUM_MODE`` overrides the default for the patched
-upstream step, whose command line is upstream's.
+loss once (``naflex_accum.train_step_eager``, the drop-in, is its step);
+``replay`` recomputes it per microbatch, as upstream does, and is kept for
+comparison and for losses whose cached evaluation one would rather not trust.
+``NAFLEX_ACCUM_MODE`` overrides the default for the patched upstream step,
+whose command line is upstream's.
 """
+import importlib
 import os
 
 from .errors import UsageError
@@ -14,6 +16,9 @@ from .errors import UsageError
 DEFAULT_MODE = "cached-loss"
 MODES = ("cached-loss", "replay")
 ENV_VAR = "NAFLEX_ACCUM_MODE"
+# mode -> (module, function); looked up at call time, so the step is imported only when used.
+STEPS = {"cached-loss": ("naflex_accum.cached_loss", "cached_loss_step"),
+         "replay": ("naflex_accum.replay", "replay_step")}
 
 
 def resolve_mode(mode: str = None) -> str:
@@ -27,9 +32,5 @@ def resolve_mode(mode: str = None) -> str:
 
 def get_step(mode: str = None):
     """The step function of ``mode`` (``None``: $NAFLEX_ACCUM_MODE, else the default)."""
-    mode = resolve_mode(mode)
-    if mode == "replay":
-        from .step import train_step_eager
-        return train_step_eager
-    from .cached_loss import cached_loss_step
-    return cached_loss_step
+    module, name = STEPS[resolve_mode(mode)]
+    return getattr(importlib.import_module(module), name)

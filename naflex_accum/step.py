@@ -1,54 +1,45 @@
-"""A drop-in for upstream open_clip's ``_train_step_eager`` with one loss scale per window.
+"""The accumulation step both modes share: upstream's ``_train_step_eager`` contract, one loss scale per window.
 
 Invariant: for a full accumulation window, the gradient of every parameter
 right before the optimizer step equals ``window_scale * d(L_window)/d(theta)``,
-the gradient of one full-batch backward of the window's contrastive loss,
-whatever the split: the scale is computed once from all cached sizes, the
-logit parameters (``logit_scale``, ``logit_bias``) take their gradient in one
-replay only, and each replay draws the same random masks as its caching pass.
+the gradient of one full-batch backward of the window's loss, whatever the
+split: the scale is computed once from all sizes, the logit parameters
+(``logit_scale``, ``logit_bias``) take their gradient in one backward only, and
+each replayed microbatch draws the same random masks as its caching pass.
 
-Signature and return contract match upstream (see ../shared/UPSTREAM_CONTRACT.md):
+Order of work in a window of k: microbatches 0..k-2 are cached without grad as
+they arrive; the last one's caching forward runs *with* grad and keeps its graph
+(gradient sync off), the window's loss gradient through it is back-propagated
+first, then microbatches 0..k-2 are replayed, the last replay carrying the
+gradient sync and the logit terms. So a window costs one forward less than
+upstream's. ``reuse_last_graph = False`` gives the older order (every
+microbatch cached, then every one replayed), kept for benchmarks.
+
+Signature and return contract match upstream (see the upstream contract):
 ``None`` while a window fills, else ``(losses, report, step_batch_size, ([], {}))``.
-``AccumulationStep`` exposes small hooks (GradCache style) so variants, and the
-reference bugs in the tests, override one decision each.
+The hooks (GradCache style) mean the same in both modes, so a variant, or a
+reference bug, overrides one decision and gets it in both:
+``replay_scale(window, j)`` multiplies microbatch j's gradient,
+``logit_inputs(model_out, j, final)`` says which logit values take gradient in
+microbatch j's backward (the attached ones), ``replay_rng(microbatch)`` is the
+random state a replay runs under, ``grad_sync(module, enabled)`` whether a
+backward all-reduces.
 """
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 from .rng import RngState
-from .scales import check_options, is_positive_int, window_is_naflex, window_loss_scale
+from .scales import check_options, window_is_naflex, window_loss_scale
 from .sync import grad_sync
+from .window import LOGIT_KEYS, Microbatch, Window, WindowCache, is_naflex_batch, microbatch_size
 
-LOGIT_KEYS = ("logit_scale", "logit_bias")
+__all__ = ["AccumulationStep", "LOGIT_KEYS", "Microbatch", "Window", "WINDOW_KEY", "backward", "detach_values",
+           "finish_step", "is_naflex_batch", "total_loss"]
+
 # accum_features belongs to the step (upstream's loop only carries it between
-# calls), so per-microbatch bookkeeping rides in it under a key no model emits.
-WINDOW_KEY = "_naflex_accum_microbatches"
-
-
-@dataclass
-class Microbatch:
-    size: int
-    naflex: bool
-    rng: RngState
-
-
-@dataclass
-class Window:
-    microbatches: List[Microbatch]
-    mode: str
-    scale: float
-    reference_batch_size: Optional[int] = None
-
-    @property
-    def sizes(self) -> List[int]:
-        return [mb.size for mb in self.microbatches]
-
-
-def is_naflex_batch(batch) -> bool:
-    image = batch.get("image") if isinstance(batch, dict) else None
-    return isinstance(image, dict) and "patches" in image
+# calls), so the window's bookkeeping rides in it under a key no model emits.
+WINDOW_KEY = "_naflex_accum_window"
 
 
 def total_loss(losses: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -63,15 +54,15 @@ def backward(loss: torch.Tensor, scaler) -> None:
 
 
 def finish_step(task, optimizer, scaler, args) -> None:
-    """Clip (after unscaling), step, update the scaler, clamp the logit scale."""
+    """Clip (after unscaling), step, update the scaler, clamp the logit scale: upstream's order."""
     clip = getattr(args, "grad_clip_norm", None)
     params = task.trainable_module.parameters
     if scaler is not None:
         if clip is not None:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(params(), clip, norm_type=2.0)
-        scaler.step(optimizer)
-        scaler.update()
+        scaler.step(optimizer)  # skips the optimizer when a gradient is inf/nan
+        scaler.update()  # and then backs the scale off
     else:
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(params(), clip, norm_type=2.0)
@@ -90,37 +81,39 @@ def _accum_freq(args) -> int:
     return k
 
 
-def _microbatch_size(task, batch, position: int) -> int:
-    size = task.batch_size(batch)
-    if not is_positive_int(size):
-        raise ValueError(
-            f"the microbatch at position {position} of the window has size {size!r}; "
-            f"every microbatch needs at least one sample.")
-    return size
-
-
 class AccumulationStep:
-    """Callable with upstream's ``_train_step_eager`` signature."""
+    """Callable with upstream's ``_train_step_eager`` signature; a mode supplies the window's backward.
+
+    A mode implements ``prepare(task, window, cache, accum_batches, scaler, autocast) -> state``, run
+    once when the window's outputs are all cached, and ``backward_microbatch(task, window, state, j,
+    model_out, final, scaler, autocast)``, run once per microbatch with its live outputs;
+    ``state.result`` is the ``(losses, report)`` to return.
+    """
+
+    reuse_last_graph = True  # False: the older order, every microbatch replayed (benchmarks only)
 
     # ---- hooks -----------------------------------------------------------
     def replay_scale(self, window: Window, j: int) -> float:
-        """Loss multiplier of replay ``j``: the window's one scale, for every j."""
+        """Multiplier of microbatch ``j``'s gradient: the window's one scale, for every j."""
         return window.scale
 
-    def logit_inputs(self, model_out: dict, j: int, k: int) -> dict:
-        """The logit parameters for replay ``j``: live in the last replay only.
+    def logit_inputs(self, model_out: dict, j: int, final: bool) -> dict:
+        """The logit values microbatch ``j``'s backward sees: attached (taking gradient) in the final one only.
 
-        Every replay computes the whole window's loss, so a live logit scale in
-        each would count its gradient k times. The last replay is the synced
-        one, so under DDP every parameter takes part in that backward.
+        Every microbatch's backward carries the whole window's loss, so live
+        logit values in each would count their gradient k times. The final
+        backward is the synced one, so under DDP every parameter takes part in it.
         """
-        live = j == k - 1
-        return {key: (model_out[key] if live else model_out[key].detach())
+        return {key: (model_out[key] if final else model_out[key].detach())
                 for key in LOGIT_KEYS if key in model_out}
 
     def replay_rng(self, microbatch: Microbatch):
         """Context for replay forwards: the random state of the microbatch's caching pass."""
         return microbatch.rng.replay()
+
+    def grad_sync(self, module, enabled: bool):
+        """Context in which backward passes all-reduce gradients only if ``enabled``."""
+        return grad_sync(module, enabled)
 
     # ---- call ------------------------------------------------------------
     def __call__(self, task, batch, accum_state, optimizer, scaler, autocast, args):
@@ -130,36 +123,36 @@ class AccumulationStep:
         if accum_state is None:
             raise ValueError("--accum-freq > 1 needs accum_state=([], {}) from the training loop; got None.")
         accum_batches, accum_features = accum_state
-        records = accum_features.setdefault(WINDOW_KEY, [])
-        records.append(self.admit(task, batch, records, args))
-        self.cache(task, batch, accum_features, autocast)
+        cache = accum_features.setdefault(WINDOW_KEY, WindowCache())
+        cache.microbatches.append(self.admit(task, batch, cache.microbatches, args))
         accum_batches.append(batch)
-        if len(accum_batches) < k:
+        full = len(accum_batches) == k
+        if not (full and self.reuse_last_graph):
+            self.cache(task, batch, cache, autocast)
+        if not full:
             return None
 
-        window = self.make_window(accum_features.pop(WINDOW_KEY), args)
+        window = self.make_window(cache.microbatches, args)
         optimizer.zero_grad()
-        losses, report = self.backward_window(task, window, accum_batches, accum_features, scaler, autocast)
+        losses, report = self.backward_window(task, window, cache, accum_batches, scaler, autocast)
+        del accum_features[WINDOW_KEY]
         finish_step(task, optimizer, scaler, args)
         return losses, report, sum(window.sizes), ([], {})
 
     def admit(self, task, batch, records: List[Microbatch], args) -> Microbatch:
         """Check a microbatch before its forward; capture its random state."""
         naflex = is_naflex_batch(batch)
-        flags = [r.naflex for r in records] + [naflex]
-        window_is_naflex(flags)
+        window_is_naflex([r.naflex for r in records] + [naflex])
         if not records:
             check_options(getattr(args, "naflex_loss_scale", "none"), getattr(args, "batch_size", None), naflex)
-        size = _microbatch_size(task, batch, len(records))
+        size = microbatch_size(task, batch, len(records))
         return Microbatch(size=size, naflex=naflex, rng=RngState.capture(batch))
 
-    def cache(self, task, batch, accum_features, autocast) -> None:
-        """Features of one microbatch without grad (its random state is already captured)."""
+    def cache(self, task, batch, cache: WindowCache, autocast) -> None:
+        """Outputs of one microbatch without grad (its random state is already captured)."""
         with torch.no_grad(), autocast():
             model_out = task.trainable_module(**batch)
-        for key, value in model_out.items():
-            if key not in LOGIT_KEYS:
-                accum_features.setdefault(key, []).append(value)
+        cache.add(model_out)
 
     def make_window(self, records: List[Microbatch], args) -> Window:
         ref = getattr(args, "batch_size", None)
@@ -167,33 +160,42 @@ class AccumulationStep:
         scale = window_loss_scale([r.size for r in records], ref, mode, naflex=[r.naflex for r in records])
         return Window(records, mode, scale, ref)
 
-    def backward_window(self, task, window, accum_batches, accum_features, scaler, autocast):
-        """Replay each microbatch with grad against the cached features of the others."""
-        k = len(accum_batches)
-        module = task.trainable_module
-        for j, (batch_j, mb) in enumerate(zip(accum_batches, window.microbatches)):
-            with grad_sync(module, j == k - 1):
-                with self.replay_rng(mb), autocast():
-                    model_out = module(**batch_j)
+    def backward_window(self, task, window, cache, accum_batches, scaler, autocast):
+        """Every microbatch's backward, the final one synced and carrying the logit terms."""
+        k, module = len(accum_batches), task.trainable_module
+        replayed = list(range(k - 1)) if self.reuse_last_graph else list(range(k))
+        if self.reuse_last_graph:
+            # The last microbatch's caching forward, with grad: its graph serves as its replay.
+            with self.grad_sync(module, False):
                 with autocast():
-                    inputs_no_accum = self.logit_inputs(model_out, j, k)
-                    inputs = {
-                        key: torch.cat(cached[:j] + [model_out[key]] + cached[j + 1:])
-                        for key, cached in accum_features.items()
-                    }
-                    losses, report = task.compute_accum_loss(inputs, inputs_no_accum, accum_batches)
-                    loss = total_loss(losses)
-                    losses["loss"] = loss
-                del inputs, inputs_no_accum, model_out
-                scale = self.replay_scale(window, j)
-                backward(loss * scale if scale != 1.0 else loss, scaler)
+                    model_out = module(**accum_batches[-1])
+                cache.add(model_out)
+                state = self.prepare(task, window, cache, accum_batches, scaler, autocast)
+                self.backward_microbatch(task, window, state, k - 1, model_out, False, scaler, autocast)
+            del model_out
+        else:
+            state = self.prepare(task, window, cache, accum_batches, scaler, autocast)
+        for j in replayed:
+            final = j == replayed[-1]
+            with self.grad_sync(module, final):
+                with self.replay_rng(window.microbatches[j]), autocast():
+                    model_out = module(**accum_batches[j])
+                self.backward_microbatch(task, window, state, j, model_out, final, scaler, autocast)
+            del model_out
+        losses, report = state.result
         return detach_values(losses), detach_values(report)
+
+    def prepare(self, task, window, cache, accum_batches, scaler, autocast):
+        raise NotImplementedError
+
+    def backward_microbatch(self, task, window, state, j, model_out, final, scaler, autocast):
+        raise NotImplementedError
 
     def single_step(self, task, batch, accum_state, optimizer, scaler, autocast, args):
         """accum_freq == 1: one forward/backward, scaled by this batch's own scale."""
         naflex = is_naflex_batch(batch)
         mode = check_options(getattr(args, "naflex_loss_scale", "none"), getattr(args, "batch_size", None), naflex)
-        size = _microbatch_size(task, batch, 0)
+        size = microbatch_size(task, batch, 0)
         scale = window_loss_scale([size], getattr(args, "batch_size", None), mode, naflex=naflex)
         optimizer.zero_grad()
         with autocast():
@@ -204,9 +206,10 @@ class AccumulationStep:
         return detach_values(losses), detach_values(report), size, accum_state
 
 
-_DEFAULT_STEP = AccumulationStep()
-
-
-def train_step_eager(task, batch, accum_state, optimizer, scaler, autocast, args):
-    """Drop-in for ``open_clip_train.train._train_step_eager`` (same signature and returns)."""
-    return _DEFAULT_STEP(task, batch, accum_state, optimizer, scaler, autocast, args)
+def __getattr__(name):
+    # ``naflex_accum.step.train_step_eager`` named the drop-in before the modes had their own modules;
+    # it is the default mode's step, as ``naflex_accum.train_step_eager`` is.
+    if name == "train_step_eager":
+        from .cached_loss import cached_loss_step
+        return cached_loss_step
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""CLIP and SigLIP training tasks that speak upstream open_clip's task protocol.
+"""CLIP, SigLIP and CoCa training tasks that speak upstream open_clip's task protocol.
 
 Invariant: ``task(batch)`` and ``task.compute_accum_loss(inputs, inputs_no_accum,
 accum_batches)`` compute the same loss function, so a window replayed through
@@ -86,5 +86,45 @@ class SigLipTask(ContrastiveTask):
         super().__init__(model, SigLipLoss(rank=rank, world_size=world_size))
 
 
-def create_task(model, siglip: bool = False, **loss_kwargs) -> ContrastiveTask:
-    return (SigLipTask if siglip else ClipTask)(model, **loss_kwargs)
+class CocaTask(ContrastiveTask):
+    """open_clip's CoCa with ``CoCaLoss`` (contrastive plus captioning), as upstream main's ``CoCaTask``.
+
+    The model returns upstream main's CoCa outputs (logits over every text
+    position, no labels: ``models.create_coca_model``). Both paths shift for
+    teacher forcing (logits without the last position, labels from the text
+    without the first token), and ``compute_accum_loss`` does it upstream's way:
+    it adds ``labels`` to the inputs it is given, replaces ``logits`` by a
+    slice and pops ``logit_bias``, which CoCaLoss does not take.
+    """
+
+    def __init__(self, model, *, caption_loss_weight=2.0, clip_loss_weight=1.0, local_loss=False,
+                 gather_with_grad=False, rank=0, world_size=1):
+        from open_clip.loss import CoCaLoss
+
+        super().__init__(model, CoCaLoss(
+            caption_loss_weight=caption_loss_weight, clip_loss_weight=clip_loss_weight, local_loss=local_loss,
+            gather_with_grad=gather_with_grad, cache_labels=True, rank=rank, world_size=world_size))
+
+    def forward(self, batch: Dict) -> Tuple[Dict, Dict]:
+        model_out = self.trainable_module(image=batch["image"], text=batch["text"])
+        losses = self.loss(image_features=model_out["image_features"], text_features=model_out["text_features"],
+                           logits=model_out["logits"][:, :-1], labels=batch["text"][:, 1:],
+                           logit_scale=model_out["logit_scale"], output_dict=True)
+        losses["loss"] = total_loss(losses)
+        return losses, _report(model_out)
+
+    def compute_accum_loss(self, inputs, inputs_no_accum, accum_batches):
+        inputs["labels"] = torch.cat([b["text"] for b in accum_batches])[:, 1:]
+        inputs["logits"] = inputs["logits"][:, :-1]
+        report = _report(inputs_no_accum)
+        inputs_no_accum.pop("logit_bias", None)
+        losses = self.loss(**inputs, **inputs_no_accum, output_dict=True)
+        return losses, report
+
+
+TASKS = {"clip": ClipTask, "siglip": SigLipTask, "coca": CocaTask}
+
+
+def create_task(model, siglip: bool = False, *, loss: Optional[str] = None, **loss_kwargs) -> ContrastiveTask:
+    """The task for ``model``: ``loss`` one of TASKS ('clip', 'siglip', 'coca'), else SigLIP if ``siglip``."""
+    return TASKS[loss or ("siglip" if siglip else "clip")](model, **loss_kwargs)

@@ -61,11 +61,22 @@ def test_slurm_master_port_is_stable_and_in_range():
     assert 10000 <= slurm_master_port("987654321") < 30000
 
 
+def dist_rows(*args):
+    proc = run_2proc([str(TESTS / "dist_equivalence.py"), *args])
+    return proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def test_two_process_accumulation_equals_full_batch():
-    proc = run_2proc([str(TESTS / "dist_equivalence.py")])
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    """DDP (CLIP, SigLIP, CoCa) and real FSDP2, both modes: exact, and one gradient reduction per window."""
+    proc, rows = dist_rows("--wrap", "ddp", "fsdp2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert len(rows) == 2 * 2 * 5 and all(r["passed"] for r in rows)
+    ddp = [r for r in rows if r["wrap"] == "ddp"]
+    fsdp = [r for r in rows if r["wrap"] == "fsdp2"]
+    assert len(ddp) == 2 * 2 * 6 and len(fsdp) == 2 * 2 * 2 and all(r["passed"] for r in rows)
+    assert {r["loss"] for r in ddp} == {"clip", "siglip", "coca"} and {r["mode"] for r in rows} == {
+        "replay", "cached-loss"}
+    assert all(r["reduction_rounds"] == 1 for r in ddp)  # one all-reduce round per window (a comm hook counts)
+    assert all(r["reduction_rounds"] == r["reference_rounds"] > 0 for r in fsdp)  # reduce-scatters of 1 backward
     worst = max(r["tower_rel_err"] for r in rows)
     print(f"2 ranks, {len(rows)} rank-cases: largest tower rel err {worst:.2e}; logit ratios "
           f"{sorted({round(v, 6) for r in rows for v in r['logit_ratios'].values()})}")
@@ -73,9 +84,19 @@ def test_two_process_accumulation_equals_full_batch():
 
 
 def test_two_process_check_catches_upstream_bugs():
-    proc = run_2proc([str(TESTS / "dist_equivalence.py"), "--step", "bug_reference:upstream_style_step"])
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc, rows = dist_rows("--bug", "upstream-style")
     assert proc.returncode == 1 and rows and not any(r["passed"] for r in rows)
+    assert {r["mode"] for r in rows} == {"replay", "cached-loss"}
+
+
+def test_two_process_check_catches_a_missing_no_sync():
+    """Gradient sync left on in every backward: gradients still exact, only the reduction count shows it."""
+    proc, rows = dist_rows("--wrap", "ddp", "fsdp2", "--bug", "always-sync", "--find-unused-parameters", "--quick")
+    assert proc.returncode == 1 and rows and not any(r["passed"] for r in rows)
+    assert all(r["tower_rel_err"] <= 1e-5 for r in rows)
+    assert all(r["reduction_rounds"] == len(r["split"]) * r["reference_rounds"] for r in rows)
+    assert {(r["wrap"], r["mode"]) for r in rows} == {(w, m) for w in ("ddp", "fsdp2") for m in ("replay",
+                                                                                               "cached-loss")}
 
 
 def test_two_process_training_run(tmp_path):

@@ -200,17 +200,17 @@ def test_is_installed_does_not_import_open_clip(monkeypatch):
 @pytest.fixture
 def step_calls(monkeypatch):
     """Replace both mode steps by recorders, so a test sees which one the patched function calls."""
-    from naflex_accum import cached_loss, step
+    from naflex_accum import cached_loss, replay
 
     calls = []
-    monkeypatch.setattr(step, "train_step_eager", lambda *a: calls.append("train_step_eager"))
+    monkeypatch.setattr(replay, "replay_step", lambda *a: calls.append("replay_step"))
     monkeypatch.setattr(cached_loss, "cached_loss_step", lambda *a: calls.append("cached_loss_step"))
     monkeypatch.delenv("NAFLEX_ACCUM_MODE", raising=False)
     return calls
 
 
 @pytest.mark.parametrize("mode,name", [(None, "cached_loss_step"), ("cached-loss", "cached_loss_step"),
-                                       ("replay", "train_step_eager")])
+                                       ("replay", "replay_step")])
 def test_install_mode_selects_the_step(stand_in, upstream_train, step_calls, mode, name):
     """The patched step defaults to the cached-loss mode (exact and faster); install(mode=...) chooses."""
     with patched(mode=mode):
@@ -224,7 +224,7 @@ def test_env_var_picks_the_mode_and_bad_modes_fail_first(stand_in, upstream_trai
     monkeypatch.setenv("NAFLEX_ACCUM_MODE", "replay")
     with patched():
         getattr(upstream_train, NAME)(*[None] * 7)
-    assert step_calls == ["train_step_eager"]
+    assert step_calls == ["replay_step"]
     monkeypatch.setenv("NAFLEX_ACCUM_MODE", "fast")
     with pytest.raises(UsageError, match="NAFLEX_ACCUM_MODE=fast: unknown accumulation mode"):
         install()

@@ -5,8 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from naflex_accum import train_step_eager
-from naflex_accum.cached_loss import cached_loss_step
+from naflex_accum import CachedLossStep, ReplayStep, cached_loss_step, replay_step
 from naflex_accum.audit import GradProbe, audit_case, compare, full_batch_grads, named_params, random_window
 from naflex_accum.naflex import concat_batches
 
@@ -45,12 +44,12 @@ def counted(make_task):
 @pytest.fixture(params=["replay", "cached-loss"], autouse=True)
 def step(request, monkeypatch):
     """Every contract test runs for both accumulation modes."""
-    fn = {"replay": train_step_eager, "cached-loss": cached_loss_step}[request.param]
+    fn = {"replay": replay_step, "cached-loss": cached_loss_step}[request.param]
     monkeypatch.setitem(STEP, "fn", fn)
     return fn
 
 
-STEP = {"fn": train_step_eager}
+STEP = {"fn": cached_loss_step}
 
 
 def run_window(task, batches, args, optimizer=None, scaler=None):
@@ -69,7 +68,7 @@ def test_returns_none_while_filling_then_contract(counted):
     assert step_batch_size == 6 and new_state == ([], {})
     assert set(report) == {"logit_scale"} and "contrastive_loss" in losses
     assert probe.steps == 1
-    assert task.trainable_module.forwards == 6  # k caching forwards + k replays
+    assert task.trainable_module.forwards == 5  # k caching forwards + k-1 replays: the last is not replayed
     ref_grads, ref_loss = full_batch_grads(task, batches, [0, 0, 0], chunked=False)
     assert losses["loss"].item() == pytest.approx(ref_loss, rel=1e-5)  # unscaled window loss
     assert not losses["loss"].requires_grad
@@ -119,6 +118,17 @@ def test_empty_microbatch_is_refused(counted):
     empty = {"image": {k: v[:0] for k, v in b["image"].items()}, "text": b["text"][:0]}
     with pytest.raises(ValueError, match="position 1 of the window has size 0"):
         run_window(task, [b, empty], make_args())
+    assert task.trainable_module.forwards == 1  # the last microbatch is refused before its forward
+
+
+def test_older_order_replays_every_microbatch(counted, step):
+    task = counted()
+    mode = {"replay_step": ReplayStep, "cached_loss_step": CachedLossStep}[step.__name__]
+    older = type("Older", (mode,), {"reuse_last_graph": False})()
+    state = ([], {})
+    for batch in random_window((3, 1, 2)):
+        older(task, batch, state, GradProbe(named_params(task)), None, nullcontext, make_args(accum_freq=3))
+    assert task.trainable_module.forwards == 6  # k caching forwards + k replays
 
 
 def test_dense_window_is_unscaled(make_task):
@@ -133,8 +143,10 @@ def test_dense_window_is_unscaled(make_task):
     assert ratios["logit_scale"] == pytest.approx(1.0, rel=1e-5)
 
 
-def test_rng_stream_outside_is_undisturbed(make_task):
+@pytest.mark.parametrize("checkpointing", (False, True), ids=("plain", "grad-checkpointing"))
+def test_rng_stream_outside_is_undisturbed(make_task, checkpointing):
     task = make_task("clip", True)
+    task.trainable_module.set_grad_checkpointing(checkpointing)  # its recomputation must not draw either
     batches = random_window((2, 1))
     torch.manual_seed(7)
     run_window(task, batches, make_args())

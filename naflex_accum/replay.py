@@ -1,0 +1,49 @@
+"""The replay mode: the window loss recomputed for every microbatch, as upstream open_clip does it.
+
+Invariant: the same as ``step.AccumulationStep``'s (every parameter's gradient
+equals ``window_scale * grad(full-batch loss)``, logit parameters counted
+once). Microbatch j's backward is that of the whole window's loss with j's
+outputs live and the others' cached (upstream's replay), multiplied by
+``replay_scale``; the last microbatch uses the graph of its caching forward
+instead of a replay. Kept beside the default ``cached-loss`` mode for
+comparison, and for losses one would rather not evaluate on cached leaves.
+"""
+from dataclasses import dataclass, field
+from typing import Any, Tuple
+
+from .step import AccumulationStep, backward, total_loss
+from .window import WindowCache
+
+
+@dataclass
+class ReplayState:
+    cache: WindowCache
+    accum_batches: list
+    result: Tuple[Any, Any] = field(default=(None, None))
+
+
+class ReplayStep(AccumulationStep):
+    """Upstream's ``_train_step_eager`` signature; the window loss once per microbatch."""
+
+    def prepare(self, task, window, cache, accum_batches, scaler, autocast):
+        return ReplayState(cache, accum_batches)
+
+    def backward_microbatch(self, task, window, state, j, model_out, final, scaler, autocast):
+        with autocast():
+            inputs = state.cache.with_live(j, model_out)
+            inputs_no_accum = self.logit_inputs(model_out, j, final)
+            losses, report = task.compute_accum_loss(inputs, inputs_no_accum, state.accum_batches)
+            loss = total_loss(losses)
+            losses["loss"] = loss
+        del inputs, inputs_no_accum
+        scale = self.replay_scale(window, j)
+        backward(loss * scale if scale != 1.0 else loss, scaler)
+        state.result = losses, report
+
+
+_REPLAY_STEP = ReplayStep()
+
+
+def replay_step(task, batch, accum_state, optimizer, scaler, autocast, args):
+    """Drop-in for ``open_clip_train.train._train_step_eager`` in the replay mode (the window loss per microbatch)."""
+    return _REPLAY_STEP(task, batch, accum_state, optimizer, scaler, autocast, args)

@@ -1,0 +1,78 @@
+"""Reference bugs: small overrides of the step's hooks, in both modes, so checks can be seen to fail.
+
+Invariant: each bug changes exactly one decision of a correct step (one hook),
+the same way in the replay and the cached-loss mode, so a check that catches
+it in one mode catches the same mistake in the other.
+
+- ``per-replay-scale``: open_clip #1211, microbatch j's gradient scaled by its own size.
+- ``logit-k-times``: the logit values attached in every microbatch's backward,
+  so the logit parameters' gradient is counted k times.
+- ``no-rng-replay``: replays draw fresh random masks instead of the cached ones.
+- ``always-sync``: gradient sync left on in every backward (a missing ``no_sync``):
+  the gradients are still right, only the all-reduce count shows it.
+- ``upstream-style``: the first three together, as upstream open_clip main behaves.
+
+``bug_step(bug, mode)`` gives a step; ``per_replay_scale_step``, ``logit_k_times_step``,
+``no_rng_replay_step``, ``always_sync_step`` and ``upstream_style_step`` are the replay-mode ones
+(upstream's mode), ``*_cached_step`` the cached-loss ones.
+"""
+import math
+from contextlib import nullcontext
+
+from ..cached_loss import CachedLossStep
+from ..replay import ReplayStep
+from ..step import LOGIT_KEYS
+
+
+class PerReplayScale:
+    def replay_scale(self, window, j):
+        if window.mode == "none" or not window.microbatches[j].naflex:
+            return 1.0
+        ratio = window.microbatches[j].size / window.reference_batch_size
+        return math.sqrt(ratio) if window.mode == "sqrt" else ratio
+
+
+class LogitKTimes:
+    def logit_inputs(self, model_out, j, final):
+        return {key: model_out[key] for key in LOGIT_KEYS if key in model_out}
+
+
+class NoRngReplay:
+    def replay_rng(self, microbatch):
+        return nullcontext()
+
+
+class AlwaysSync:
+    def grad_sync(self, module, enabled):
+        return nullcontext()
+
+
+class UpstreamStyle(PerReplayScale, LogitKTimes, NoRngReplay):
+    pass
+
+
+BUGS = {"per-replay-scale": PerReplayScale, "logit-k-times": LogitKTimes, "no-rng-replay": NoRngReplay,
+        "always-sync": AlwaysSync, "upstream-style": UpstreamStyle}
+MODE_CLASSES = {"replay": ReplayStep, "cached-loss": CachedLossStep}
+
+
+def bug_step(bug: str, mode: str):
+    """A step of ``mode`` ('replay' or 'cached-loss') with reference bug ``bug`` (a key of BUGS)."""
+    mixin, base = BUGS[bug], MODE_CLASSES[mode]
+    cls = type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
+    return cls()
+
+
+per_replay_scale_step = bug_step("per-replay-scale", "replay")
+logit_k_times_step = bug_step("logit-k-times", "replay")
+no_rng_replay_step = bug_step("no-rng-replay", "replay")
+always_sync_step = bug_step("always-sync", "replay")
+upstream_style_step = bug_step("upstream-style", "replay")
+per_replay_scale_cached_step = bug_step("per-replay-scale", "cached-loss")
+logit_k_times_cached_step = bug_step("logit-k-times", "cached-loss")
+no_rng_replay_cached_step = bug_step("no-rng-replay", "cached-loss")
+always_sync_cached_step = bug_step("always-sync", "cached-loss")
+upstream_style_cached_step = bug_step("upstream-style", "cached-loss")
+
+__all__ = ["BUGS", "MODE_CLASSES", "bug_step", *(f"{b.replace('-', '_')}{m}_step" for b in BUGS
+                                                 for m in ("", "_cached"))]

@@ -1,0 +1,113 @@
+"""What an accumulation step keeps about one window while it fills: sizes, random states, cached outputs.
+
+Invariant: every model output other than ``logit_scale``/``logit_bias`` is kept
+per microbatch, detached, with its per-microbatch length along dim 0 recorded,
+so the window's loss inputs are each key's concatenation in microbatch order
+(as upstream builds them) and a gradient with respect to that concatenation
+splits back into exact per-microbatch slices. An output that cannot be
+concatenated (not a tensor, no leading dimension, other dimensions or dtype
+differing between microbatches, a key missing) is refused at the microbatch
+that shows it, with one line naming the key and the shapes: neither mode could
+build the loss inputs from it.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from .rng import RngState
+from .scales import is_positive_int
+
+LOGIT_KEYS = ("logit_scale", "logit_bias")
+
+
+@dataclass
+class Microbatch:
+    size: int
+    naflex: bool
+    rng: RngState
+
+
+@dataclass
+class Window:
+    microbatches: List[Microbatch]
+    mode: str
+    scale: float
+    reference_batch_size: Optional[int] = None
+
+    @property
+    def sizes(self) -> List[int]:
+        return [mb.size for mb in self.microbatches]
+
+
+def is_naflex_batch(batch) -> bool:
+    image = batch.get("image") if isinstance(batch, dict) else None
+    return isinstance(image, dict) and "patches" in image
+
+
+def microbatch_size(task, batch, position: int) -> int:
+    size = task.batch_size(batch)
+    if not is_positive_int(size):
+        raise ValueError(
+            f"the microbatch at position {position} of the window has size {size!r}; "
+            f"every microbatch needs at least one sample.")
+    return size
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    return type(value).__name__
+
+
+@dataclass
+class WindowCache:
+    """The microbatches admitted so far and their cached outputs, in order."""
+
+    microbatches: List[Microbatch] = field(default_factory=list)
+    features: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+    logits: Dict[str, torch.Tensor] = field(default_factory=dict)
+    added: int = 0  # microbatches whose outputs are kept
+
+    def add(self, model_out: Dict) -> None:
+        """Keep one microbatch's outputs (detached); refuse what cannot be concatenated over the window."""
+        position = self.added
+        missing = [key for key in self.features if key not in model_out]
+        if missing:
+            raise ValueError(f"model output {missing[0]!r} is missing from microbatch {position} of the window "
+                             f"(earlier microbatches had it); every microbatch must return the same keys.")
+        for key, value in model_out.items():
+            if key in LOGIT_KEYS:
+                self.logits[key] = value.detach()  # parameters: the same for every microbatch
+                continue
+            self._check(key, value, position)
+            self.features.setdefault(key, []).append(value.detach())
+        self.added += 1
+
+    def _check(self, key: str, value, position: int) -> None:
+        earlier = self.features.get(key)
+        if earlier is None and position > 0:
+            raise ValueError(f"model output {key!r} appears at microbatch {position} of the window but not "
+                             f"before; every microbatch must return the same keys.")
+        first = earlier[0] if earlier else None
+        ok = isinstance(value, torch.Tensor) and value.dim() >= 1 and (
+            first is None or (value.shape[1:] == first.shape[1:] and value.dtype == first.dtype))
+        if not ok:
+            seen = f"microbatch 0 gave {_describe(first)}, microbatch {position} gave " if first is not None else \
+                f"microbatch {position} gave "
+            raise ValueError(
+                f"model output {key!r} cannot be accumulated: {seen}{_describe(value)}; accumulation "
+                f"concatenates every output but logit_scale/logit_bias over a window's microbatches along dim 0, "
+                f"so each must be a tensor with a leading dimension and the same other dimensions and dtype "
+                f"in every microbatch.")
+
+    def lengths(self, key: str) -> List[int]:
+        return [t.shape[0] for t in self.features[key]]
+
+    def concatenated(self) -> Dict[str, torch.Tensor]:
+        """Each key's outputs over the window, in microbatch order (one copy per key)."""
+        return {key: torch.cat(parts) for key, parts in self.features.items()}
+
+    def with_live(self, j: int, model_out: Dict) -> Dict[str, torch.Tensor]:
+        """The window's outputs with microbatch ``j``'s taken live from ``model_out`` (upstream's replay inputs)."""
+        return {key: torch.cat(parts[:j] + [model_out[key]] + parts[j + 1:]) for key, parts in self.features.items()}
