@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import tempfile
-from typing import Dict, List, Sequence
+from typing import Dict
 
 LOSSES = ("clip", "siglip", "coca")
 TASK_CLASSES = {"clip": "CLIPTask", "siglip": "SigLIPTask", "coca": "CoCaTask"}
@@ -175,22 +175,3 @@ def task_factory(loss: str, stochastic: bool):
 
 def describe(loss: str) -> str:
     return DESCRIPTION[loss]
-
-
-def random_dense_window(split: Sequence[int], seed: int = 0) -> List[Dict]:
-    """One window of dense image batches for the tiny CoCa: microbatch j has ``split[j]`` examples.
-
-    Captions of random length are zero-padded, so the caption loss ignores the
-    padding as it does in training (CoCa pools its text at an appended class
-    token, so no end-of-text id is needed).
-    """
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    window = []
-    for n in split:
-        text = torch.randint(1, AUDIT_VOCAB_SIZE, (n, COCA_CONTEXT_LENGTH), generator=g)
-        lengths = torch.randint(3, COCA_CONTEXT_LENGTH, (n,), generator=g)
-        text[torch.arange(COCA_CONTEXT_LENGTH)[None] >= lengths[:, None]] = 0
-        window.append({"image": torch.rand(n, 3, COCA_IMAGE_SIZE, COCA_IMAGE_SIZE, generator=g), "text": text})
-    return window

@@ -10,7 +10,7 @@ for NaFlex windows a loss scale per replay.
 import pytest
 
 from naflex_accum.modes import MODES
-from upstream_real import JOBS, WAITS_FOR_STEP_FIX, last_json, run_python
+from upstream_real import JOBS, last_json, run_python
 
 LOSSES = ("clip", "siglip", "coca")
 TASKS = {"clip": "CLIPTask", "siglip": "SigLIPTask", "coca": "CoCaTask"}
@@ -31,14 +31,8 @@ def _explain(case) -> str:
     return f"exit {case['code']}; {len(bad)} failing rows, first: {bad[:1]}"
 
 
-def _cases():
-    for loss in LOSSES:
-        for mode in MODES:
-            marks = [WAITS_FOR_STEP_FIX] if (loss, mode) == ("coca", "cached-loss") else []
-            yield pytest.param(loss, mode, marks=marks, id=f"{loss}-{mode}")
-
-
-@pytest.mark.parametrize("loss,mode", list(_cases()))
+@pytest.mark.parametrize("loss,mode", [pytest.param(loss, mode, id=f"{loss}-{mode}")
+                                       for loss in LOSSES for mode in MODES])
 def test_verify_passes_on_patched_upstream(reports, loss, mode):
     case = reports[("--loss", loss, "--accum-mode", mode)]
     assert case["code"] == 0, _explain(case)

@@ -45,7 +45,7 @@ def test_verify_passes_on_our_step(upstream_train, capsys):
 
 
 def test_verify_fails_on_a_per_replay_scale_step(capsys):
-    code, out, _ = run(capsys, "--step", "bug_reference:per_replay_scale_step")
+    code, out, _ = run(capsys, "--step", "naflex_accum.testing.bugs:per_replay_scale_step")
     assert code == 1
     rows = [line for line in out.splitlines() if line.startswith("clip ")]
     assert len(rows) == ROWS
@@ -55,7 +55,7 @@ def test_verify_fails_on_a_per_replay_scale_step(capsys):
 
 
 def test_verify_json_siglip_reports_logit_bias(capsys, few_cases):
-    code, out, _ = run(capsys, "--loss", "siglip", "--json", "--step", "bug_reference:logit_k_times_step")
+    code, out, _ = run(capsys, "--loss", "siglip", "--json", "--step", "naflex_accum.testing.bugs:logit_k_times_step")
     report = json.loads(out)
     assert code == 1 and report["passed"] is False and report["loss"] == "siglip"
     assert len(report["rows"]) == 2
@@ -90,7 +90,7 @@ def test_verify_with_a_mismatched_upstream_says_so_and_audits_ours(upstream_trai
 @pytest.mark.parametrize("argv,message", [
     (["--step", "no_colon"], "--step 'no_colon': expected MODULE:FUNCTION"),
     (["--step", "no_such_module_xyz:f"], "cannot import 'no_such_module_xyz'"),
-    (["--step", "bug_reference:not_there"], "has no callable 'not_there'"),
+    (["--step", "naflex_accum.testing.bugs:not_there"], "has no callable 'not_there'"),
 ])
 def test_bad_step_is_one_clear_line(capsys, argv, message):
     code, out, err = run(capsys, *argv)

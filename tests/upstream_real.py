@@ -8,7 +8,6 @@ the tarball (a checkout without ``../shared``) the tests that need it skip with
 the reason; under CI (``$CI`` or ``$NAFLEX_ACCUM_REQUIRE_UPSTREAM`` set) they
 fail instead, so a missing fixture cannot pass as green.
 """
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,13 +24,6 @@ JOBS = Path(__file__).resolve().parent / "upstream_jobs"
 # Upstream's sample shuffle is seeded from time and pid; a buffer of one keeps shard order.
 DETERMINISTIC = {"OPENCLIP_WDS_SAMPLE_SHUFFLE_SIZE": "1", "OPENCLIP_WDS_SAMPLE_SHUFFLE_INITIAL": "1"}
 TIMEOUT = 600
-# Upstream's CoCaTask.compute_accum_loss adds labels to, and slices logits in, the dict it is given;
-# a cached-loss step that differentiates that same dict crashes. The step that passes the task its own
-# copies comes with naflex_accum.window: until then these cases are expected to fail, then to pass.
-WAITS_FOR_STEP_FIX = pytest.mark.xfail(
-    importlib.util.find_spec("naflex_accum.window") is None, strict=True,
-    reason="cached-loss step on upstream's CoCaTask: needs the step's own input copies (naflex_accum.window)")
-
 
 def _required() -> bool:
     return any(os.environ.get(var, "").strip() not in ("", "0", "false") for var in

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bug_reference import upstream_style_step
+from naflex_accum.testing.bugs import upstream_style_step
 
 MODULE = "open_clip_train.train"
 NAME = "_train_step_eager"

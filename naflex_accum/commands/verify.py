@@ -17,10 +17,9 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Callable, List
 
-from ..errors import OneLineParser, UsageError
+from ..errors import OneLineParser
 from ..modes import DEFAULT_MODE, ENV_VAR
 from ..modes import MODES as MODES_ACCUM
 from ..scales import MODES
@@ -44,11 +43,9 @@ class Target:
 
 def _builtin_task(loss: str):
     from ..audit import default_task_factory
-    from ..patch import open_clip_version
 
     if loss == "coca":
-        raise UsageError(f"--loss coca: audits upstream open_clip main's CoCaTask, which open_clip_torch "
-                         f"{open_clip_version()} does not have; use --loss clip or siglip here")
+        return default_task_factory, "naflex_accum CocaTask around a built-in tiny random CoCa (dense 32 px images)"
     kind = "SigLipTask" if loss == "siglip" else "ClipTask"
     return default_task_factory, f"naflex_accum {kind} around the built-in tiny random NaFlex model (naflex-tiny)"
 
@@ -113,46 +110,18 @@ def choose_target(step_spec, loss: str, mode=None) -> Target:
     return Target(step, f"naflex_accum.{step.__name__}", make_task, task_label, notes=[note])
 
 
-def dense_audit_case(step_fn, make_task, loss, mode, split, stochastic, reference_batch_size):
-    """``audit.audit_case`` on a window of dense images (the tiny CoCa's), with the same comparison.
-
-    The reference runs the forward per microbatch, then one loss and one
-    backward over the whole window: on the tiny CoCa, one fp32 forward over the
-    concatenated window differs from the chunked one by up to 3e-6 in round-off
-    alone (the decoder's cross-attention LayerNorm biases; 7e-15 in fp64), too
-    close to the 1e-5 tolerance for a stable audit.
-    """
-    from ..audit import AuditResult, accumulated_grads, compare, full_batch_grads
-    from ..scales import window_loss_scale
-    from ..upstream_tasks import random_dense_window
-
-    task = make_task(loss, stochastic)
-    task.train()
-    batches = random_dense_window(split)
-    seeds = [1000 + j for j in range(len(split))]
-    reference, ref_loss = full_batch_grads(task, batches, seeds, chunked=True)
-    args = SimpleNamespace(accum_freq=len(split), batch_size=reference_batch_size, naflex_loss_scale=mode,
-                           grad_clip_norm=None)
-    grads, step_loss, n = accumulated_grads(step_fn, task, batches, seeds, args)
-    scale = window_loss_scale(list(split), reference_batch_size, mode, naflex=False)
-    err, worst, ratios = compare(grads, reference, scale)
-    return AuditResult(loss, mode, tuple(split), stochastic, scale, err, worst, ratios,
-                       abs(step_loss - ref_loss) / abs(ref_loss), n)
-
-
 def audit_row(step, make_task, loss: str, mode: str, split, stochastic: bool):
     """One row of the audit; a step (or reference) that raises gives a failed row with ``.error`` set."""
-    from ..audit import AuditResult, audit_case
+    from ..audit import AuditResult, audit_case, window_spec
     from ..scales import window_loss_scale
 
     try:
-        if loss == "coca":
-            return dense_audit_case(step, make_task, loss, mode, split, stochastic, REFERENCE_BATCH_SIZE)
         return audit_case(step, make_task, loss, mode, split, stochastic,
                           reference_batch_size=REFERENCE_BATCH_SIZE)
     except Exception as exc:  # the audited step failed on this install: a FAIL row that says why
         message = " ".join(str(exc).split()) or "(no message)"
-        scale = window_loss_scale(list(split), REFERENCE_BATCH_SIZE, mode, naflex=loss != "coca")
+        naflex = window_spec(loss).images == "naflex"
+        scale = window_loss_scale(list(split), REFERENCE_BATCH_SIZE, mode, naflex=naflex)
         row = AuditResult(loss, mode, tuple(split), stochastic, scale, math.inf, "")
         row.error = f"{type(exc).__name__}: {message}"
         return row
