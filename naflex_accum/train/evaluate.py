@@ -13,15 +13,11 @@ from ..tasks import unwrap
 
 
 def retrieval_metrics(image_features, text_features, logit_scale) -> Dict[str, float]:
-    logits = logit_scale * image_features @ text_features.t()
-    truth = torch.arange(len(image_features))
-    metrics = {}
-    for name, scores in (("image_to_text", logits), ("text_to_image", logits.t())):
-        ranking = torch.argsort(scores, dim=1, descending=True)
-        rank = (ranking == truth[:, None]).nonzero()[:, 1].float()
-        metrics[f"{name}_mean_rank"] = rank.mean().item() + 1
-        for k in (1, 5):
-            metrics[f"{name}_R@{k}"] = (rank < k).float().mean().item()
+    """open_clip's ``get_clip_metrics`` (ranks, R@1/5/10), plus its ``clip_val_loss``."""
+    from open_clip_train.train import get_clip_metrics
+
+    metrics = {k: float(v) for k, v in get_clip_metrics(image_features, text_features, logit_scale).items()}
+    logits, truth = logit_scale * image_features @ text_features.t(), torch.arange(len(image_features))
     metrics["clip_val_loss"] = ((F.cross_entropy(logits, truth) + F.cross_entropy(logits.t(), truth)) / 2).item()
     return metrics
 

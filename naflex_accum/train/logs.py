@@ -13,6 +13,8 @@ import logging
 import sys
 from typing import Dict, Optional
 
+from open_clip_train.train import AverageMeter
+
 from .checkpoint import WriteError
 
 LOGGER_NAME = "naflex_accum"
@@ -48,24 +50,15 @@ def setup_logging(log_file=None, is_master: bool = True) -> logging.Logger:
     return logger
 
 
-class Meter:
-    """Current value and running average."""
-
-    def __init__(self):
-        self.val, self.sum, self.count = 0.0, 0.0, 0
-
-    def update(self, val: float, n: int = 1):
-        self.add(val * n, n, val)
+class Meter(AverageMeter):
+    """open_clip's ``AverageMeter``, also fed sums: the loop reads losses only on logging steps."""
 
     def add(self, total: float, n: int, last: float):
         """``n`` more samples whose values sum to ``total``; ``last`` is the newest value."""
         self.val = last
         self.sum += total
         self.count += n
-
-    @property
-    def avg(self) -> float:
-        return self.sum / max(1, self.count)
+        self.avg = self.sum / max(1, self.count)
 
 
 class RunLogger:

@@ -8,10 +8,9 @@ everything is built and checked before the run folder is created or changed;
 the exit status says how the run ended (``EXIT_CODES``).
 """
 import logging
-from contextlib import nullcontext
-from functools import partial
 
 import torch
+from open_clip_train.precision import get_autocast
 
 from ..errors import UsageError
 from .checkpoint import load_checkpoint
@@ -36,13 +35,6 @@ EXIT_NONFINITE = 3
 EXIT_CODES = {0: "finished", 2: "bad setting or unwritable run folder (one line)", EXIT_NONFINITE:
               "stopped: non-finite loss or weights, nothing saved after it", EXIT_STOPPED:
               "stopped on request (SIGTERM, SIGUSR1, STOP) after saving; --resume latest continues"}
-
-
-def get_autocast(precision: str, device: torch.device):
-    if precision == "fp32":
-        return nullcontext
-    dtype = torch.float16 if precision == "amp" else torch.bfloat16  # amp_bf16, amp_bfloat16
-    return partial(torch.autocast, device_type=device.type, dtype=dtype)
 
 
 def build_optimizer(model, args):
@@ -146,7 +138,7 @@ def _run(args, world, device, claim) -> dict:
     stop.clear()
     saver = Saver(paths, args, world, model, last_good=claim.resume)
     run_logger = RunLogger(log, world.is_master, paths.tensorboard if args.report_to == "tensorboard" else None)
-    autocast, metrics, exit_code = get_autocast(args.precision, device), {}, 0
+    autocast, metrics, exit_code = get_autocast(args.precision, device.type), {}, 0
     loop = Loop(args, world, device, autocast, select_step(args), run_logger, stop, StepMonitor(device, world),
                 saver)
     log.info(f"Run folder {paths.root}: {num_steps} steps/epoch, {train_data.num_samples} samples/epoch, "
