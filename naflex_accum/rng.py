@@ -4,10 +4,11 @@ Invariant: a microbatch replayed under ``RngState.replay()`` draws exactly the
 random numbers its caching forward drew (dropout, patch dropout, drop path),
 on the CPU and on every CUDA device its tensors live on, and the random stream
 outside the replay is left where the caching forwards put it, as if the
-replays had never run. (The idea is GradCache's ``RandContext``.)
+replays had never run. (The idea is GradCache's ``RandContext``.) The same
+type carries a process's random state into a checkpoint and back.
 """
 from contextlib import contextmanager
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import torch
 
@@ -32,16 +33,41 @@ def cuda_devices_of(obj) -> List[int]:
 
 
 class RngState:
-    """The CPU generator state, plus the states of the CUDA devices in use."""
+    """The CPU generator state, plus the states of the CUDA devices in use.
 
-    def __init__(self, devices: List[int]):
+    The step captures one per microbatch and replays it; the trainer saves a
+    process's (``current()``, ``to_dict()``) in a checkpoint and ``restore()``s it.
+    """
+
+    def __init__(self, devices: List[int], cpu: Optional[torch.Tensor] = None,
+                 cuda: Optional[List[torch.Tensor]] = None):
         self.devices = list(devices)
-        self.cpu = torch.get_rng_state()
-        self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.cpu = torch.get_rng_state() if cpu is None else cpu
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices] if cuda is None else list(cuda)
 
     @classmethod
     def capture(cls, batch) -> "RngState":
         return cls(cuda_devices_of(batch))
+
+    @classmethod
+    def current(cls) -> "RngState":
+        """This process's state: the CPU generator and, once CUDA is in use, the current device's."""
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return cls([torch.cuda.current_device()] if cuda else [])
+
+    def to_dict(self) -> dict:
+        """Plain tensors and ints, which ``torch.load(weights_only=True)`` reads back."""
+        return {"cpu": self.cpu, "cuda": list(self.cuda), "cuda_devices": list(self.devices)}
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "RngState":
+        return cls(saved.get("cuda_devices", []), saved["cpu"], saved.get("cuda", []))
+
+    def restore(self) -> None:
+        """Make this the process's state (the current CUDA device takes the first saved device's)."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state(self.cuda[0], torch.cuda.current_device())
 
     @contextmanager
     def replay(self):
@@ -52,24 +78,3 @@ class RngState:
             for device, state in zip(self.devices, self.cuda):
                 torch.cuda.set_rng_state(state, device)
             yield
-
-
-# ---- a process's random state in a checkpoint (the training loop's save and resume) --------------------
-
-
-def current_rng_state() -> RngState:
-    """This process's state: the CPU generator and, once CUDA is in use, the current device's."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return RngState([torch.cuda.current_device()] if cuda else [])
-
-
-def rng_state_dict(state: RngState) -> dict:
-    """``state`` as plain tensors and ints, which ``torch.load(weights_only=True)`` reads back."""
-    return {"cpu": state.cpu, "cuda": list(state.cuda), "cuda_devices": list(state.devices)}
-
-
-def load_rng_state_dict(saved: dict) -> None:
-    """Set this process's random state to ``saved`` (the current CUDA device takes the saved device's state)."""
-    torch.set_rng_state(saved["cpu"])
-    if saved.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state(saved["cuda"][0], torch.cuda.current_device())

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import UsageError
-from ..rng import load_rng_state_dict
+from ..rng import RngState
 from ..scales import window_loss_scale
 from .preempt import Preempted
 
@@ -74,7 +74,7 @@ def _start_epoch(state, loader, args, world):
     with torch.random.fork_rng(devices=[]):
         first = next(batches, None)
     if state.rng_state is not None:
-        load_rng_state_dict(state.rng_state)
+        RngState.from_dict(state.rng_state).restore()
     state.task.train()
     return batches if first is None else itertools.chain([first], batches)
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..errors import UsageError
-from ..rng import current_rng_state, rng_state_dict
+from ..rng import RngState
 
 log = logging.getLogger("naflex_accum")
 
@@ -49,7 +49,7 @@ def epoch_payload(state, model, args) -> dict:
 
 def gather_rng_states(world) -> list:
     """Every rank's random state, in rank order (a collective: every rank calls it)."""
-    return world.gather_object(rng_state_dict(current_rng_state()))
+    return world.gather_object(RngState.current().to_dict())
 
 
 def mid_epoch_payload(state, model, args, world, rng_states) -> dict:
