@@ -159,6 +159,17 @@ def test_readable_is_a_signature_check():
         images.readable(b"this is not an image")
 
 
+def textured(h, w, fmt, generator):
+    """Smooth multi-scale noise, photo-like detail at every scale (the demo's flat shapes hide filter errors)."""
+    import torch.nn.functional as F
+    img = torch.zeros(3, h, w)
+    for k in range(1, 7):
+        noise = torch.rand(1, 3, max(2, h >> k), max(2, w >> k), generator=generator)
+        img += F.interpolate(noise, size=(h, w), mode="bicubic", align_corners=False)[0] * 0.6 ** (6 - k)
+    img = ((img - img.min()) / (img.max() - img.min()) * 255).byte().permute(1, 2, 0).numpy()
+    return encode(Image.fromarray(img), fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+
+
 def test_torchvision_path_within_a_255th_of_pillow_on_demo_images(tmp_path):
     """Batches from the pipeline's decode/resize/collate vs Pillow's decode + bicubic resize (the reference)."""
     from naflex_accum.naflex import (IMAGE_STD, collate_images, collate_uint8_patches, pil_to_patches,
@@ -166,6 +177,8 @@ def test_torchvision_path_within_a_255th_of_pillow_on_demo_images(tmp_path):
 
     blobs = [d for p in shard_paths(demo(tmp_path, num=64, val=0, shard_size=64).train)
              for n, d in tar_members(p) if n.endswith((".jpg", ".png"))]
+    generator = torch.Generator().manual_seed(0)
+    blobs += [textured(h, w, f, generator) for h, w, f in ((300, 200, "JPEG"), (97, 411, "PNG"), (512, 512, "JPEG"))]
     std = torch.tensor(IMAGE_STD).repeat(16 * 16)
     worst = 0.0
     for seq_len in (16, 64, 144):
