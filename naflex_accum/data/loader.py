@@ -67,7 +67,8 @@ def _pinned(batch):
 
 def _data_loader(dataset, workers: int, pin_memory: bool, persistent: bool = False):
     return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_passthrough,
-                                       pin_memory=pin_memory, persistent_workers=persistent)
+                                       pin_memory=pin_memory and torch.cuda.is_available(),
+                                       persistent_workers=persistent)
 
 
 def _iterate(dataset, workers: int, pin_memory: bool) -> Iterator:
