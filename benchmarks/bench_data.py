@@ -37,9 +37,19 @@ KINDS = ("floor", "ours", "upstream")
 
 
 def _cpu() -> float:
-    """CPU seconds of this process and its waited-for children (the loader workers, once joined)."""
+    """CPU seconds of this process and its children: joined ones from rusage, live ones (workers) from /proc."""
+    import multiprocessing
+
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    total = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    for child in multiprocessing.active_children():  # persistent workers are never joined in the run
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
 def _our_loader(data, workers, num_samples):
@@ -146,8 +156,6 @@ def child_upstream(data, workers, num_samples):
         valid = batch["image"]["patch_valid"]
         return valid.shape[0], int(valid.sum())
     result = _drain(iterator, count)
-    if hasattr(iterator, "_shutdown_workers"):  # persistent workers: join them so their CPU is counted
-        iterator._shutdown_workers()
     return result, time.perf_counter() - wall, _cpu() - cpu
 
 
@@ -297,11 +305,11 @@ def resume_table(data, args):
     return ok
 
 
-def extract_upstream(tmp):
-    if not UPSTREAM.is_file():
-        print(f"(no {UPSTREAM}: upstream rows skipped)")
+def extract_upstream(tmp, archive: Path):
+    if not archive.is_file():
+        print(f"(no {archive}: upstream rows skipped)")
         return None
-    with tarfile.open(UPSTREAM) as tar:
+    with tarfile.open(archive) as tar:
         tar.extractall(tmp, filter="data")
     return str(next(Path(tmp).glob("open_clip-*")) / "src")
 
@@ -312,6 +320,7 @@ def main():
     parser.add_argument("--num-samples", type=int, default=4000, help="samples per epoch")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per row (median)")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--upstream", type=Path, default=UPSTREAM, help="the pinned upstream snapshot (.tar.gz)")
     parser.add_argument("--only", choices=("pipeline", "decoders", "resume"), nargs="+",
                         default=["pipeline", "decoders", "resume"])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -327,7 +336,7 @@ def main():
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         if "pipeline" in args.only:
-            ok = pipeline_table(data, args, extract_upstream(tmp)) and ok
+            ok = pipeline_table(data, args, extract_upstream(tmp, args.upstream)) and ok
             print()
     if "decoders" in args.only:
         torch.set_num_threads(1)

@@ -84,13 +84,15 @@ def _normaliser(mean, std, repeat: int) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int = 16, flatten: bool = True,
-                   mean=IMAGE_MEAN, std=IMAGE_STD) -> Dict[str, torch.Tensor]:
+                   mean=IMAGE_MEAN, std=IMAGE_STD, shared: bool = False) -> Dict[str, torch.Tensor]:
     """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one normalised, zero-padded NaFlex batch.
 
     One strided copy per image gathers its patches (row-major grid, channels-last
     patches) into a uint8 batch; the normalise, the mask and the coordinates are a
     few tensor ops for the whole batch. timm's ``NaFlexCollator`` would copy float
-    patches one sample at a time instead, four times the bytes.
+    patches one sample at a time instead, four times the bytes. ``shared`` puts the
+    float patches in shared memory, as torch's ``default_collate`` does in a loader
+    worker, so that sending them to the main process copies nothing.
     """
     import numpy as np
 
@@ -110,7 +112,11 @@ def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int
         counts.append(gh * gw)
         widths.append(gw)
     shift, scale = _normaliser(tuple(mean), tuple(std), p * p)
-    patches = torch.from_numpy(raw).float()
+    if shared:
+        storage = torch.empty(0)._typed_storage()._new_shared(raw.size)
+        patches = torch.empty(0).new(storage).view(raw.shape).copy_(torch.from_numpy(raw))
+    else:
+        patches = torch.from_numpy(raw).float()
     torch.addcmul(shift, patches, scale, out=patches)
     flat = patches.numpy()
     for i, count in enumerate(counts):

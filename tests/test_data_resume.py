@@ -146,3 +146,23 @@ def test_bad_upsampling_factors(shards, kw, match):
     with pytest.raises(UsageError, match=match) as info:
         make_train_loader(config(f"{paths[0]}::{paths[1]}", **kw), CharTokenizer())
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_batches_reach_the_gpu_without_a_sync(shards, workers):
+    loader = make_train_loader(config(shards, workers=workers, num_samples=40), CharTokenizer(), pin_memory=True)
+    expected = epoch(make_train_loader(config(shards, workers=workers, num_samples=40), CharTokenizer()), 0)
+    loader.set_epoch(0)
+    moved = []
+    for batch in loader:
+        assert all(t.is_pinned() for t in (batch["text"], *batch["image"].values()))
+        torch.cuda.set_sync_debug_mode("error")  # a copy from pageable memory would synchronise, and raise here
+        try:
+            moved.append({"text": batch["text"].to("cuda", non_blocking=True),
+                          "image": {k: v.to("cuda", non_blocking=True) for k, v in batch["image"].items()}})
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert same([{"text": b["text"].cpu(), "image": {k: v.cpu() for k, v in b["image"].items()}} for b in moved],
+                expected)

@@ -71,7 +71,9 @@ def skip_samples(samples: Iterator[RawSample], count: int, report: Corruption, f
 
 def make_batch(images: List[torch.Tensor], captions: List[str], seq_len: int, patch_size: int, flatten: bool,
                tokenize: Callable) -> Dict:
-    return {"image": collate_images(images, seq_len, patch_size, flatten), "text": tokenize(captions)}
+    in_worker = torch.utils.data.get_worker_info() is not None
+    return {"image": collate_images(images, seq_len, patch_size, flatten, shared=in_worker),
+            "text": tokenize(captions)}
 
 
 def batch_meta(index: int, batch: Dict, report: Corruption) -> Dict:
