@@ -254,18 +254,34 @@ def decoders_table(data, count=600, repeats=3):
     def ours(blob, seq_len):
         return resize_for_seq(decode_rgb(blob), seq_len, 16).permute(1, 2, 0).numpy()
 
+    def draft_tensor(blob, seq_len):  # Pillow's reduced-scale JPEG decode feeding the uint8 tensor resize
+        from torchvision.transforms import InterpolationMode
+        from torchvision.transforms.v2.functional import resize_image
+
+        img = Image.open(io.BytesIO(blob))
+        h, w = size_for_seq((img.height, img.width), 16, seq_len)
+        img.draft("RGB", (w, h))
+        rgb = torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1)
+        return resize_image(rgb, [h, w], interpolation=InterpolationMode.BICUBIC, antialias=True) \
+            .permute(1, 2, 0).numpy()
+
     decoders = {"torchvision decode + uint8 resize (ours)": ours,
+                "Pillow draft decode + uint8 resize": draft_tensor,
                 "Pillow draft + Pillow resize (before)": lambda b, s: pillow(b, s, draft=True),
                 "Pillow full decode + Pillow resize (reference)": pillow}
-    try:
+    try:  # optional: pip install simplejpeg
         import simplejpeg
 
         def scaled(blob, seq_len):
             if not blob.startswith(b"\xff\xd8"):
                 return ours(blob, seq_len)
-            h, w = size_for_seq(simplejpeg.decode_jpeg_header(blob)[:2], 16, seq_len)
-            rgb = simplejpeg.decode_jpeg(blob, colorspace="RGB", min_height=h, min_width=w)
-            return resize_for_seq(torch.from_numpy(rgb).permute(2, 0, 1), seq_len, 16).permute(1, 2, 0).numpy()
+            from torchvision.transforms import InterpolationMode
+            from torchvision.transforms.v2.functional import resize_image
+
+            h, w = size_for_seq(tuple(simplejpeg.decode_jpeg_header(blob)[:2]), 16, seq_len)
+            rgb = torch.from_numpy(simplejpeg.decode_jpeg(blob, colorspace="RGB", min_height=h, min_width=w))
+            out = resize_image(rgb.permute(2, 0, 1), [h, w], interpolation=InterpolationMode.BICUBIC, antialias=True)
+            return out.permute(1, 2, 0).numpy()
         decoders["simplejpeg scaled decode + uint8 resize"] = scaled
     except ImportError:
         pass

@@ -88,45 +88,44 @@ def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int
     """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one normalised, zero-padded NaFlex batch.
 
     One strided copy per image gathers its patches (row-major grid, channels-last
-    patches) into a uint8 batch; the normalise, the mask and the coordinates are a
-    few tensor ops for the whole batch. timm's ``NaFlexCollator`` would copy float
-    patches one sample at a time instead, four times the bytes. ``shared`` puts the
-    float patches in shared memory, as torch's ``default_collate`` does in a loader
-    worker, so that sending them to the main process copies nothing.
+    patches) into the float batch, converting as it goes; the normalise, the mask
+    and the coordinates are a few tensor ops for the whole batch. timm's
+    ``NaFlexCollator`` would copy float patches one sample at a time instead.
+    ``shared`` allocates the batch in shared memory, as torch's ``default_collate``
+    does in a loader worker, so that sending it to the main process copies nothing.
     """
     import numpy as np
 
     p, n = patch_size, len(images)
     channels = images[0].shape[0]
-    width = p * p * channels
-    raw = np.empty((n, seq_len, width), np.uint8)
-    counts, widths = [], []
+    shape = (n, seq_len, p * p * channels)
+    if shared:
+        storage = torch.empty(0)._typed_storage()._new_shared(n * seq_len * p * p * channels)
+        patches = torch.empty(0).new(storage).view(shape)
+    else:
+        patches = torch.empty(shape)
+    flat, counts, widths = patches.numpy(), [], []
     for i, img in enumerate(images):
         h, w = img.shape[-2:]
         gh, gw = h // p, w // p
         if gh * gw > seq_len or gh * p != h or gw * p != w:
             raise ValueError(f"image {i} of {h}x{w} does not make at most {seq_len} whole {p}x{p} patches")
-        # numpy's strided copy is several times faster than torch's for these short (P*C-byte) rows
+        # numpy's strided cast-copy is several times faster than torch's for these short (P*C-byte) rows
         grid = img.permute(1, 2, 0).numpy().reshape(gh, p, gw, p * channels).transpose(0, 2, 1, 3)
-        np.copyto(raw[i, :gh * gw].reshape(gh, gw, p, p * channels), grid)
+        np.copyto(flat[i, :gh * gw].reshape(gh, gw, p, p * channels), grid, casting="unsafe")
         counts.append(gh * gw)
         widths.append(gw)
     shift, scale = _normaliser(tuple(mean), tuple(std), p * p)
-    if shared:
-        storage = torch.empty(0)._typed_storage()._new_shared(raw.size)
-        patches = torch.empty(0).new(storage).view(raw.shape).copy_(torch.from_numpy(raw))
-    else:
-        patches = torch.from_numpy(raw).float()
     torch.addcmul(shift, patches, scale, out=patches)
-    flat = patches.numpy()
     for i, count in enumerate(counts):
         flat[i, count:] = 0.0  # padding: a memset of each image's tail
     index = torch.arange(seq_len)
     valid = index < torch.tensor(counts)[:, None]
     grid_w = torch.tensor(widths)[:, None]
     coord = torch.stack((index // grid_w, index % grid_w), dim=-1).mul_(valid[..., None])
-    shape = (n, seq_len, width) if flatten else (n, seq_len, p, p, channels)
-    return {"patches": patches.view(shape), "patch_coord": coord, "patch_valid": valid}
+    if not flatten:
+        patches = patches.view(n, seq_len, p, p, channels)
+    return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
 
 
 def pil_to_patches(img, seq_len: int, patch_size: int = 16, flatten: bool = True) -> Dict[str, torch.Tensor]:
