@@ -118,12 +118,14 @@ def child_ours(data, workers, num_samples):
 
 
 def child_upstream(data, workers, num_samples):
-    # Upstream's group_by_keys expects its pinned webdataset (<= 0.2.86); webdataset >= 1.0 ends each shard
-    # with an empty end-of-shard marker it does not know. This restores 0.2.86's behaviour (no marker).
+    # Upstream's group_by_keys expects its pinned webdataset (<= 0.2.86, the test extra's); webdataset >= 1.0
+    # ends each shard with an empty marker it does not know. With 1.0 this restores 0.2.86's behaviour.
     import functools
+    import inspect
 
     import webdataset.tariterators as wds_tar
-    wds_tar.tar_file_expander = functools.partial(wds_tar.tar_file_expander, eof_value=None)
+    if "eof_value" in inspect.signature(wds_tar.tar_file_expander).parameters:
+        wds_tar.tar_file_expander = functools.partial(wds_tar.tar_file_expander, eof_value=None)
     from open_clip import create_model_and_transforms, get_tokenizer
     from open_clip_train.data import get_data
     from open_clip_train.naflex_data import (create_naflex_data_config_from_args, get_naflex_model_image_seq_len,
