@@ -133,7 +133,8 @@ def test_resampled_loader_is_deterministic_and_honours_factors(shards, tmp_path)
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(upsampling_factors=(1, 2)), r"--train-data-upsampling-factors needs --dataset-resampled"),
+    (dict(dataset_resampled=False, upsampling_factors=(1, 2)),
+     r"--train-data-upsampling-factors needs --dataset-resampled"),
     (dict(dataset_resampled=True, upsampling_factors=(1,)),
      r"--train-data-upsampling-factors has 1 values but --train-data has 2 source\(s\)"),
     (dict(dataset_resampled=True, upsampling_factors=(1, -1)), r"finite, >= 0, and not all 0"),

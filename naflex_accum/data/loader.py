@@ -10,6 +10,7 @@ individually, then a summary). With ``pin_memory`` (for CUDA) batches arrive in
 pinned memory and the worker processes live across epochs; nothing else changes.
 """
 import logging
+import signal
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -59,6 +60,13 @@ class _Counter:
                         self.stats["samples"])
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """The trainer's main process decides when a run stops (finish the step, save, exit): a SIGTERM or
+    SIGUSR1 sent to the whole process group (SLURM, Kubernetes) must not kill a worker under it."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _pinned(batch):
     if isinstance(batch, dict):
         return {key: _pinned(value) for key, value in batch.items()}
@@ -68,7 +76,7 @@ def _pinned(batch):
 def _data_loader(dataset, workers: int, pin_memory: bool, persistent: bool = False):
     return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_passthrough,
                                        pin_memory=pin_memory and torch.cuda.is_available(),
-                                       persistent_workers=persistent)
+                                       persistent_workers=persistent, worker_init_fn=_ignore_stop_signals)
 
 
 def _iterate(dataset, workers: int, pin_memory: bool) -> Iterator:

@@ -36,7 +36,7 @@ class DataConfig:
     rank: int = 0
     world_size: int = 1
     shuffle_buffer: int = 1000                      # samples held for shuffling, per worker (0: no shuffle)
-    dataset_resampled: bool = False                 # --dataset-resampled: draw shards with replacement
+    dataset_resampled: bool = True                  # --dataset-resampled / --no-dataset-resampled
     upsampling_factors: Optional[Sequence[float]] = None  # --train-data-upsampling-factors: one per '::' source
 
 
