@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UsageError
 from .checks import check_int
-from .pipeline import TrainStream, ValStream
+from .pipeline import TrainStream, ValStream, received
 from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import dataset_size, expand_sources, expand_urls, shard_weights
 
@@ -80,11 +80,15 @@ def _data_loader(dataset, workers: int, pin_memory: bool, persistent: bool = Fal
 
 
 def _iterate(dataset, workers: int, pin_memory: bool) -> Iterator:
-    if workers > 0:
-        return iter(_data_loader(dataset, workers, pin_memory))
-    if pin_memory and torch.cuda.is_available():  # as the DataLoader's pin thread does for workers
-        return ((_pinned(batch), meta) for batch, meta in dataset)
-    return iter(dataset)
+    """``(batch, meta)`` from the dataset, in this process or in workers; batches pinned if asked (and CUDA is)."""
+    source = iter(_data_loader(dataset, workers, pin_memory)) if workers > 0 else iter(dataset)
+    pin = pin_memory and torch.cuda.is_available()
+    for batch, meta in source:
+        if batch is not None:
+            batch = received(batch)
+            # the DataLoader's pin thread has pinned the patches already (pin_memory keeps those as they are)
+            batch = _pinned(batch) if pin else batch
+        yield batch, meta
 
 
 class TrainLoader:
@@ -163,7 +167,7 @@ class TrainLoader:
             return _iterate(self.stream(), workers, self.pin_memory)
         if self._workers is None:  # built once: its workers read the shared position at each epoch's start
             self._workers = _data_loader(self.stream(self._position), workers, True, persistent=True)
-        return iter(self._workers)
+        return _iterate(self._workers, 0, True)
 
     def __iter__(self) -> Iterator[Dict]:
         return (batch for batch, _ in self.iter_meta())

@@ -83,6 +83,32 @@ def batch_meta(index: int, batch: Dict, report: Corruption) -> Dict:
             "corrupt": corrupt, "messages": messages}
 
 
+def for_transfer(item: Tuple[Optional[Dict], Dict]) -> Tuple[Optional[Dict], Dict]:
+    """In a loader worker: the batch's small tensors as numpy arrays, which travel inside the pickled message.
+
+    Only the patches (already in shared memory) go through torch's file-descriptor passing, whose
+    authenticated hand-over per tensor costs both processes more than the pipe does for these few kilobytes.
+    ``received`` in the main process turns them back into tensors without a copy.
+    """
+    batch, meta = item
+    if batch is None:
+        return item
+    image = batch["image"]
+    image = {**image, "patch_coord": image["patch_coord"].numpy(), "patch_valid": image["patch_valid"].numpy()}
+    return {"image": image, "text": batch["text"].numpy()}, meta
+
+
+def received(batch: Dict) -> Dict:
+    """A batch as a worker sent it (``for_transfer``), with tensors again: ``torch.from_numpy`` shares the memory."""
+    import numpy as np
+
+    def tensor(value):
+        if isinstance(value, dict):
+            return {key: tensor(v) for key, v in value.items()}
+        return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    return tensor(batch)
+
+
 def _worker() -> Tuple[int, Optional[int]]:
     info = torch.utils.data.get_worker_info()
     return (0, None) if info is None else (info.id, info.num_workers)
@@ -113,8 +139,10 @@ class TrainStream(torch.utils.data.IterableDataset):
         if seen is not None and seen != self.workers:
             raise RuntimeError(f"TrainStream built for {self.workers} workers runs in a DataLoader with {seen}")
         epoch, start = (int(x) for x in self.position)
+        send = for_transfer if seen is not None else (lambda item: item)
         try:
-            yield from self._batches(worker, epoch, start)
+            for item in self._batches(worker, epoch, start):
+                yield send(item)
         except UsageError as exc:
             yield None, {"error": str(exc)}
 
@@ -168,7 +196,8 @@ class ValStream(torch.utils.data.IterableDataset):
                 if not images:
                     break
                 batch = make_batch(images, captions, self.seq_len, self.patch_size, True, self.tokenize)
-                yield batch, batch_meta(index, batch, report)
+                item = batch, batch_meta(index, batch, report)
+                yield for_transfer(item) if workers else item
                 index += workers or 1
         except UsageError as exc:
             yield None, {"error": str(exc)}

@@ -7,7 +7,8 @@ sizes are ``max_tokens // seq_len`` rounded down to a multiple of the divisor, s
 ``batch_size * seq_len <= max_tokens`` always. Sequence lengths (and patch sizes)
 are stratified rather than drawn independently: each epoch has the same count
 of every sequence length, shuffled, so the samples and tokens of an epoch are
-the same in every epoch. Nothing heavy at import (timm, for its batch-size rule, on first use).
+the same in every epoch. Nothing heavy at import (timm, for its batch-size
+rule, on first use).
 """
 import hashlib
 import math

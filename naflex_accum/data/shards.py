@@ -149,7 +149,7 @@ def shard_order(urls: Sequence[str], seed: int, epoch: int, slot: int, num_slots
 
 def shard_sampler(urls: Sequence[str], weights: Optional[Sequence[float]], seed: int, epoch: int,
                   slot: int) -> Iterator[str]:
-    """Endless stream of shards drawn with replacement for slot ``slot``, with probability proportional to ``weights``."""
+    """Endless stream of shards drawn with replacement for slot ``slot``, each in proportion to its weight."""
     rng = random.Random(derive_seed("resampled", seed, epoch, slot))
     urls = list(urls)
     cumulative = list(itertools.accumulate(weights)) if weights is not None else None

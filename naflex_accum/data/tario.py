@@ -39,6 +39,10 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes:
 def _number(field: bytes) -> int:
     if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes of 8 GiB and more
         return int.from_bytes(field[1:], "big")
+    try:  # the usual octal digits, NUL- or space-terminated
+        return int(field.rstrip(b"\0 ") or b"0", 8)
+    except ValueError:
+        pass
     digits = field.split(b"\0", 1)[0].strip()
     try:
         return int(digits, 8) if digits else 0
@@ -98,13 +102,34 @@ def _via_tarfile(stream) -> Iterator[Tuple[str, bytes]]:
             tar.members = []  # stream mode would otherwise keep every header of the shard
 
 
+class _Chunked:
+    """Reads a stream a megabyte at a time and hands out exact slices: one read call per chunk, not per field."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, stream: BinaryIO):
+        self.stream, self.buffer, self.pos = stream, b"", 0
+
+    def take(self, n: int) -> bytes:
+        """The next ``n`` bytes (fewer only at the end of the stream)."""
+        end = self.pos + n
+        if end > len(self.buffer):
+            rest = self.buffer[self.pos:]
+            self.buffer = rest + _read_exact(self.stream, max(n - len(rest), self.CHUNK))
+            self.pos, end = 0, n
+        out = self.buffer[self.pos:end]
+        self.pos = end
+        return out
+
+
 def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
     """``(name, data)`` of each regular file of the tar archive read from ``stream``."""
-    block = _read_exact(stream, BLOCK)
+    reader = _Chunked(stream)
+    block = reader.take(BLOCK)
     if not block:
         raise tarfile.ReadError("empty file")
     if block.startswith(_COMPRESSED):
-        yield from _via_tarfile(_Prefixed(block, stream))
+        yield from _via_tarfile(_Prefixed(reader.buffer, stream))
         return
     long_name: Optional[str] = None
     pax: Dict[str, str] = {}
@@ -114,25 +139,25 @@ def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
         if not _checksum_ok(block):
             raise tarfile.ReadError("bad checksum in tar header")
         kind, size = block[156:157], _number(block[124:136])
-        size = int(pax.get("size", size))
+        if pax:
+            size = int(pax.get("size", size))
         padded = -(-size // BLOCK) * BLOCK
-        data = _read_exact(stream, padded)
+        data = reader.take(padded)
         if len(data) < padded:
             raise tarfile.ReadError("unexpected end of data")
-        if kind == b"L":
+        if kind in _REGULAR:
+            name = pax.get("path") or long_name
+            if name is None:
+                name = _name(block[:100])
+                if block[257:262] == b"ustar" and block[345] != 0:
+                    name = f"{_name(block[345:500])}/{name}"
+            if "__" not in name or not _SKIP_META.match(name):
+                yield name, data[:size] if size != padded else data
+            long_name, pax = None, {}
+        elif kind == b"L":
             long_name = _name(data[:size])
         elif kind == b"x":
             pax = _pax(data[:size])
-        elif kind in (b"g", b"K"):
-            pass  # global pax defaults and GNU long link names: nothing a regular file's name needs
-        else:
-            if kind in _REGULAR:
-                name = pax.get("path") or long_name
-                if name is None:
-                    name = _name(block[:100])
-                    if block[257:262] == b"ustar" and block[345] != 0:
-                        name = f"{_name(block[345:500])}/{name}"
-                if not _SKIP_META.match(name):
-                    yield name, data[:size] if size != padded else data
+        elif kind not in (b"g", b"K"):  # global pax defaults and GNU long link names name no regular file
             long_name, pax = None, {}
-        block = _read_exact(stream, BLOCK)
+        block = reader.take(BLOCK)
