@@ -96,7 +96,9 @@ class TrainLoader:
 
     ``iter_meta()`` yields ``(batch, meta)`` instead, ``meta`` holding the batch's
     ``index`` in the epoch and its ``samples`` and ``image_tokens`` counted on the
-    CPU, so a training loop needs no device sync to count them.
+    CPU, so a training loop needs no device sync to count them. ``pin_memory=True``
+    (for CUDA): batches arrive in pinned memory and the worker processes are kept
+    from one epoch to the next.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False):
