@@ -3,7 +3,8 @@
 Invariant: yields exactly the regular files Python's ``tarfile`` (stream mode, as
 webdataset reads shards) yields, with the same names (ustar prefixes, GNU long
 names and pax ``path``/``size`` records applied), skipping webdataset's ``__*__``
-metadata members; a damaged archive (bad header checksum, data cut short, an
+metadata members (and GNU sparse files, which tarfile would reassemble and
+shards never hold); a damaged archive (bad header checksum, data cut short, an
 empty file) raises ``tarfile.ReadError`` after the members before the damage.
 Plain tars are parsed here, a 512-byte header at a time (a few microseconds a
 member instead of ``tarfile``'s tens); compressed ones (gzip, bzip2, xz) go
@@ -141,6 +142,8 @@ def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
         kind, size = block[156:157], _number(block[124:136])
         if pax:
             size = int(pax.get("size", size))
+        if size < 0:
+            raise tarfile.ReadError("invalid header (negative size)")
         padded = -(-size // BLOCK) * BLOCK
         data = reader.take(padded)
         if len(data) < padded:
@@ -149,9 +152,10 @@ def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
             name = pax.get("path") or long_name
             if name is None:
                 name = _name(block[:100])
-                if block[257:262] == b"ustar" and block[345] != 0:
+                if block[345] != 0:  # a ustar prefix, applied as tarfile applies it
                     name = f"{_name(block[345:500])}/{name}"
-            if "__" not in name or not _SKIP_META.match(name):
+            folder = kind == b"\0" and name.endswith("/")  # how pre-POSIX tars mark a folder
+            if not folder and ("__" not in name or not _SKIP_META.match(name)):
                 yield name, data[:size] if size != padded else data
             long_name, pax = None, {}
         elif kind == b"L":
