@@ -6,11 +6,14 @@ with every image's real patches first and zero padding (``patch_valid`` False)
 after, so the model's masking makes padding exactly inert. Uses timm's NaFlex
 transforms for the resize and patch layout. With several patch sizes a batch's
 patches may stay unflattened, ``[B, L, P, P, C]`` (timm NaFlexVit's
-variable-patch-size input). The data pipeline's path (``pil_to_patches`` then
-``collate_uint8_patches``) keeps patches uint8 until one vectorised normalise per
-batch; padding is zero after normalising there too.
+variable-patch-size input). The data pipeline's path (``resize_for_seq`` on
+decoded uint8 images, then ``collate_images``) keeps pixels uint8 until one
+normalise per batch; padding is zero after normalising there too.
+``pil_to_patches`` is the same with Pillow's decode and resize (the quality
+reference the pipeline is tested against).
 """
 import functools
+import math
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -39,23 +42,103 @@ def image_to_patches(img: torch.Tensor, seq_len: int, patch_size: int = 16,
 
 @functools.lru_cache(maxsize=1 << 16)
 def size_for_seq(hw: Tuple[int, int], patch_size: int, seq_len: int) -> Tuple[int, int]:
-    """(h, w), multiples of ``patch_size``, keeping the aspect of ``hw`` within ``seq_len`` patches (cached)."""
-    return tuple(get_image_size_for_seq(hw, patch_size, seq_len)[1])
+    """(h, w), multiples of ``patch_size``, keeping the aspect of ``hw`` within ``seq_len`` patches (cached).
+
+    timm's ``get_image_size_for_seq(hw, patch_size, seq_len)[1]``: the same bisection
+    with the same floating-point operations, inlined, because it runs once per image
+    and timm's nested calls cost a fifth of a decode; the tests compare the two.
+    """
+    (h, w), p, ceil = hw, patch_size, math.ceil
+    lb, rb, eps = 1e-6, 100.0, 1e-5
+    while (rb - lb) >= eps:
+        mid = (lb + rb) / 2.0
+        if (max(p * ceil(h * mid / p), p) // p) * (max(p * ceil(w * mid / p), p) // p) <= seq_len:
+            lb = mid
+        else:
+            rb = mid
+    if lb <= eps or lb >= 100.0:  # timm raises for these (an image too large or too small)
+        return tuple(get_image_size_for_seq(hw, patch_size, seq_len)[1])
+    return int(max(p * ceil(h * lb / p), p)), int(max(p * ceil(w * lb / p), p))
+
+
+def resize_for_seq(img: torch.Tensor, seq_len: int, patch_size: int = 16) -> torch.Tensor:
+    """A uint8 ``[C, H, W]`` image resized (keeping its aspect) to at most ``seq_len`` patches.
+
+    torchvision's uint8 bicubic with antialiasing, Pillow's filter to within rounding
+    (channels-last input, as ``data.images.decode_rgb`` gives, takes its fastest path).
+    """
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2.functional import resize_image
+
+    h, w = size_for_seq(tuple(img.shape[-2:]), patch_size, seq_len)
+    if (h, w) == tuple(img.shape[-2:]):
+        return img
+    return resize_image(img, [h, w], interpolation=InterpolationMode.BICUBIC, antialias=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _normaliser(mean, std, repeat: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(shift, scale), each ``repeat`` copies of the per-channel values: ``x * scale + shift`` normalises uint8 x."""
+    std = torch.tensor(std, dtype=torch.float32)
+    return (-torch.tensor(mean, dtype=torch.float32) / std).repeat(repeat), (1.0 / (255.0 * std)).repeat(repeat)
+
+
+def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int = 16, flatten: bool = True,
+                   mean=IMAGE_MEAN, std=IMAGE_STD, shared: bool = False) -> Dict[str, torch.Tensor]:
+    """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one normalised, zero-padded NaFlex batch.
+
+    One strided copy per image gathers its patches (row-major grid, channels-last
+    patches) into the float batch, converting as it goes; the normalise, the mask
+    and the coordinates are a few tensor ops for the whole batch. timm's
+    ``NaFlexCollator`` would copy float patches one sample at a time instead.
+    ``shared`` allocates the batch in shared memory, as torch's ``default_collate``
+    does in a loader worker, so that sending it to the main process copies nothing.
+    """
+    import numpy as np
+
+    p, n = patch_size, len(images)
+    channels = images[0].shape[0]
+    shape = (n, seq_len, p * p * channels)
+    if shared:
+        storage = torch.empty(0)._typed_storage()._new_shared(n * seq_len * p * p * channels)
+        patches = torch.empty(0).new(storage).view(shape)
+    else:
+        patches = torch.empty(shape)
+    flat, counts, widths, row = patches.numpy(), [], [], p * channels
+    for i, img in enumerate(images):
+        pixels = img.numpy()  # numpy from here: its calls cost a fraction of torch's on these small arrays
+        _, h, w = pixels.shape
+        gh, gw = h // p, w // p
+        if gh * gw > seq_len or gh * p != h or gw * p != w:
+            raise ValueError(f"image {i} of {h}x{w} does not make at most {seq_len} whole {p}x{p} patches")
+        # numpy's strided cast-copy is several times faster than torch's for these short (P*C-byte) rows
+        grid = pixels.transpose(1, 2, 0).reshape(gh, p, gw, row).transpose(0, 2, 1, 3)
+        np.copyto(flat[i, :gh * gw].reshape(gh, gw, p, row), grid, casting="unsafe")
+        counts.append(gh * gw)
+        widths.append(gw)
+    shift, scale = _normaliser(tuple(mean), tuple(std), p * p)
+    torch.addcmul(shift, patches, scale, out=patches)
+    for i, count in enumerate(counts):
+        flat[i, count:] = 0.0  # padding: a memset of each image's tail
+    index = torch.arange(seq_len)
+    valid = index < torch.tensor(counts)[:, None]
+    grid_w = torch.tensor(widths)[:, None]
+    coord = torch.stack((index // grid_w, index % grid_w), dim=-1).mul_(valid[..., None])
+    if not flatten:
+        patches = patches.view(n, seq_len, p, p, channels)
+    return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
 
 
 def pil_to_patches(img, seq_len: int, patch_size: int = 16, flatten: bool = True) -> Dict[str, torch.Tensor]:
-    """A PIL image resized (keeping its aspect, bicubic) to at most ``seq_len`` patches, as uint8 patches.
+    """A PIL image resized (keeping its aspect, Pillow's bicubic) to at most ``seq_len`` patches, as uint8 patches.
 
-    Normalise a batch of them with ``collate_uint8_patches``. A not-yet-loaded JPEG is
-    decoded at the smallest DCT scale still at least the target size (``Image.draft``),
-    which is where most of the decode time goes for large images.
+    The Pillow reference for the pipeline's torchvision path (full decode, no reduced
+    DCT scale). Normalise a batch of them with ``collate_uint8_patches``.
     """
     import numpy as np
     from PIL import Image
 
     h, w = size_for_seq((img.height, img.width), patch_size, seq_len)
-    if img.format == "JPEG":
-        img.draft("RGB", (w, h))
     if img.mode in ("P", "PA") and "transparency" in img.info:
         img = img.convert("RGBA")  # what PIL asks for; converting a palette with transparency straight to RGB warns
     if img.mode != "RGB":

@@ -228,20 +228,22 @@ def test_sampling_flags_reach_the_data_config(shards):
     from naflex_accum.train.main import build_data
 
     two = f"{shards.train}::{shards.train}"
-    args = parse_args([*BASE, "--train-data", two, "--workers", "0", "--train-data-upsampling-factors", "1::2.5"])
+    args = parse_args([*BASE, "--train-data", two, "--workers", "0", "--dataset-resampled",
+                       "--train-data-upsampling-factors", "1::2.5"])
     loader, _ = build_data(args, World(), build_model(), torch.device("cpu"))
     assert loader.cfg.dataset_resampled is True and list(loader.cfg.upsampling_factors) == [1.0, 2.5]
-    args = parse_args([*BASE, "--train-data", shards.train, "--workers", "0", "--no-dataset-resampled"])
+    args = parse_args([*BASE, "--train-data", shards.train, "--workers", "0"])  # off by default, as open_clip
     loader, _ = build_data(args, World(), build_model(), torch.device("cpu"))
     assert loader.cfg.dataset_resampled is False and loader.cfg.upsampling_factors is None
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--train-data", "a.tar::b.tar", "--train-data-upsampling-factors", "1"], "2 '::'-joined sources"),
-    (["--train-data", "a.tar::b.tar", "--train-data-upsampling-factors", "1::x"], "numbers joined by '::'"),
-    (["--train-data", "a.tar::b.tar", "--train-data-upsampling-factors", "1::-1"], ">= 0"),
-    (["--train-data", "a.tar::b.tar", "--train-data-upsampling-factors", "1::1", "--no-dataset-resampled"],
-     "needs --dataset-resampled"),
+    (["--train-data", "a.tar::b.tar", "--dataset-resampled", "--train-data-upsampling-factors", "1"],
+     "2 '::'-joined sources"),
+    (["--train-data", "a.tar::b.tar", "--dataset-resampled", "--train-data-upsampling-factors", "1::x"],
+     "numbers joined by '::'"),
+    (["--train-data", "a.tar::b.tar", "--dataset-resampled", "--train-data-upsampling-factors", "1::-1"], ">= 0"),
+    (["--train-data", "a.tar::b.tar", "--train-data-upsampling-factors", "1::1"], "needs --dataset-resampled"),
 ])
 def test_bad_sampling_flags(extra, message):
     with pytest.raises(UsageError, match=message):

@@ -1,11 +1,13 @@
 """Training and held-out data for ``naflex-accum train``: webdataset shards -> NaFlex batches.
 
 Modules, one concern each: ``schedule`` (the per-epoch batch plan, pure),
-``shards`` (URL expansion, validation, per-reader shard order), ``samples``
-(tar reading, checks, shuffle), ``pipeline`` (worker side: decode, batch),
-``loader`` (main side: the loaders and their stats), ``demo`` (synthetic data),
-``bench`` (throughput). Importing this package imports neither torch nor PIL;
-the names below load their module on first use.
+``shards`` (URL expansion, validation, per-reader shard order), ``tario`` (tar
+members), ``samples`` (grouping, checks, shuffle), ``images`` (decoding to uint8
+RGB, every mode), ``text`` (per-batch tokenizing), ``pipeline`` (worker side:
+decode, batch, skip), ``loader`` (main side: the loaders and their stats),
+``checks`` (the integer validator), ``demo`` (synthetic data), ``bench``
+(throughput). Importing this package imports neither torch nor PIL; the names
+below load their module on first use.
 """
 import importlib
 

@@ -148,13 +148,11 @@ def write_demo_data(out_dir: str, num_samples: int = 10000, val_samples: int = 1
     Overwrites same-named shards in those folders (the CLI refuses a non-empty
     folder without ``--force``). ``processes=0`` uses up to the machine's CPU count.
     """
-    from ..errors import UsageError
+    from .checks import check_int
 
-    for value, name in ((num_samples, "--num-samples"), (shard_size, "--shard-size")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UsageError(f"{name} must be a positive integer, got {value!r}")
-    if isinstance(val_samples, bool) or not isinstance(val_samples, int) or val_samples < 0:
-        raise UsageError(f"--val-samples must be an integer >= 0, got {val_samples!r}")
+    check_int(num_samples, "--num-samples")
+    check_int(shard_size, "--shard-size")
+    check_int(val_samples, "--val-samples", 0)
     processes = processes or (os.cpu_count() or 1)
     train = _write_split(out_dir, "train", num_samples, seed, shard_size, processes)
     val = _write_split(out_dir, "val", val_samples, seed, shard_size, processes) if val_samples else ""

@@ -1,11 +1,13 @@
 """The main-process side: ``make_train_loader`` / ``make_val_loader`` and the loaders they return.
 
-Invariant: a train loader yields exactly ``num_batches`` batches per epoch, in
-schedule order (batch i is the schedule's spec i, whichever worker built it),
-the same count on every rank; each batch is ``{"image": {...}, "text": ...}``
-and nothing else. ``stats`` counts what this process received this epoch,
-including corrupt samples reported by workers, which are also logged (the
-first ``LOG_LIMIT`` distinct ones of an epoch individually, then a summary).
+Invariant: a train loader yields exactly ``num_batches - start_batch`` batches
+per epoch, in schedule order (batch i is the schedule's spec i, whichever worker
+built it), the same count on every rank; each batch is
+``{"image": {...}, "text": ...}`` and nothing else. ``stats`` counts what this
+process received this epoch, including corrupt samples reported by workers,
+which are also logged (the first ``LOG_LIMIT`` distinct ones of an epoch
+individually, then a summary). With ``pin_memory`` (for CUDA) batches arrive in
+pinned memory and the worker processes live across epochs; nothing else changes.
 """
 import logging
 import signal
@@ -14,9 +16,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..errors import UsageError
-from .pipeline import TrainStream, ValStream
+from .checks import check_int
+from .pipeline import TrainStream, ValStream, received
 from .schedule import BatchSpec, DataConfig, Schedule
-from .shards import dataset_size, expand_urls
+from .shards import dataset_size, expand_sources, expand_urls, shard_weights
 
 log = logging.getLogger("naflex_accum.data")
 LOG_LIMIT = 20
@@ -24,12 +27,6 @@ LOG_LIMIT = 20
 
 def _passthrough(batch):
     return batch
-
-
-def _check_int(value, flag: str, minimum: int):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(f"{flag} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class _Counter:
@@ -70,13 +67,28 @@ def _ignore_stop_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _pinned(batch):
+    if isinstance(batch, dict):
+        return {key: _pinned(value) for key, value in batch.items()}
+    return batch.pin_memory() if isinstance(batch, torch.Tensor) else batch
+
+
+def _data_loader(dataset, workers: int, pin_memory: bool, persistent: bool = False):
+    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_passthrough,
+                                       pin_memory=pin_memory and torch.cuda.is_available(),
+                                       persistent_workers=persistent, worker_init_fn=_ignore_stop_signals)
+
+
 def _iterate(dataset, workers: int, pin_memory: bool) -> Iterator:
-    if workers == 0:
-        return iter(dataset)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers,
-                                         collate_fn=_passthrough, pin_memory=pin_memory,
-                                         worker_init_fn=_ignore_stop_signals)
-    return iter(loader)
+    """``(batch, meta)`` from the dataset, in this process or in workers; batches pinned if asked (and CUDA is)."""
+    source = iter(_data_loader(dataset, workers, pin_memory)) if workers > 0 else iter(dataset)
+    pin = pin_memory and torch.cuda.is_available()
+    for batch, meta in source:
+        if batch is not None:
+            batch = received(batch)
+            # the DataLoader's pin thread has pinned the patches already (pin_memory keeps those as they are)
+            batch = _pinned(batch) if pin else batch
+        yield batch, meta
 
 
 class TrainLoader:
@@ -84,18 +96,22 @@ class TrainLoader:
 
     ``iter_meta()`` yields ``(batch, meta)`` instead, ``meta`` holding the batch's
     ``index`` in the epoch and its ``samples`` and ``image_tokens`` counted on the
-    CPU, so a training loop needs no device sync to count them.
+    CPU, so a training loop needs no device sync to count them. ``pin_memory=True``
+    (for CUDA): batches arrive in pinned memory and the worker processes are kept
+    from one epoch to the next.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False):
         self.cfg, self.tokenizer, self.pin_memory = cfg, tokenizer, pin_memory
         self._plan = Schedule(cfg)
-        _check_int(cfg.workers, "--workers", 0)
-        _check_int(cfg.rank, "rank", 0)
+        check_int(cfg.workers, "--workers", 0)
+        check_int(cfg.rank, "rank", 0)
         if cfg.rank >= cfg.world_size:
             raise UsageError(f"rank {cfg.rank} is not below world_size {cfg.world_size}")
-        _check_int(cfg.shuffle_buffer, "shuffle_buffer", 0)
-        self.urls = expand_urls(cfg.train_data, "--train-data")
+        check_int(cfg.shuffle_buffer, "shuffle_buffer", 0)
+        sources = expand_sources(cfg.train_data, "--train-data")
+        self.urls = [url for source in sources for url in source]
+        self.weights = shard_weights(sources, cfg.upsampling_factors, bool(cfg.dataset_resampled))
         num_samples, num_tokens = cfg.num_samples, cfg.num_image_tokens
         if num_samples is not None and num_tokens is not None:
             raise UsageError(f"give one of --train-num-samples ({num_samples}) or --naflex-num-train-image-tokens "
@@ -109,30 +125,51 @@ class TrainLoader:
         samples, tokens = self._plan.totals(self.num_batches)
         self.num_samples = samples * cfg.world_size        # global, every epoch alike (stratified schedule)
         self.num_token_slots = tokens * cfg.world_size     # global batch_size * seq_len summed over the epoch
-        self.epoch, self.start_batch = 0, 0
+        # [epoch, start_batch]; in shared memory, so that persistent workers see set_epoch
+        self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._workers = None  # the persistent DataLoader, with pin_memory and workers
         self.stats = _Counter("--train-data", 0).stats
 
     def __len__(self) -> int:
         return self.num_batches
 
+    @property
+    def epoch(self) -> int:
+        return int(self._position[0])
+
+    @property
+    def start_batch(self) -> int:
+        return int(self._position[1])
+
     def set_epoch(self, epoch: int, start_batch: int = 0):
         """Iterate epoch ``epoch`` from its batch ``start_batch`` on (a resume inside the epoch).
 
-        The batches yielded are exactly those the whole epoch yields from that index on.
+        The batches yielded are exactly those the whole epoch yields from that index on;
+        the ones before it are skipped without decoding (see ``pipeline``).
         """
-        self.epoch = _check_int(epoch, "epoch", 0)
-        start_batch = _check_int(start_batch, "start_batch", 0)
+        check_int(epoch, "epoch", 0)
+        check_int(start_batch, "start_batch", 0)
         if start_batch > self.num_batches:
             raise UsageError(f"cannot start epoch {epoch} at batch {start_batch}: it has {self.num_batches} batches")
-        self.start_batch = start_batch
+        self._position[0], self._position[1] = epoch, start_batch
 
     def schedule(self, epoch: Optional[int] = None) -> List[BatchSpec]:
         return self._plan.epoch(self.epoch if epoch is None else epoch, self.num_batches)
 
-    def stream(self) -> TrainStream:
+    def stream(self, position: Optional[torch.Tensor] = None) -> TrainStream:
         cfg = self.cfg
-        return TrainStream(self.urls, self._plan, self.num_batches, self.epoch, cfg.rank, cfg.world_size,
-                           cfg.workers, cfg.shuffle_buffer, self.tokenizer)
+        position = self._position.clone() if position is None else position
+        return TrainStream(self.urls, self._plan, self.num_batches, position, cfg.rank, cfg.world_size,
+                           cfg.workers, cfg.shuffle_buffer, self.tokenizer, bool(cfg.dataset_resampled),
+                           self.weights)
+
+    def _source(self) -> Iterator:
+        workers = self.cfg.workers
+        if not (self.pin_memory and workers > 0):
+            return _iterate(self.stream(), workers, self.pin_memory)
+        if self._workers is None:  # built once: its workers read the shared position at each epoch's start
+            self._workers = _data_loader(self.stream(self._position), workers, True, persistent=True)
+        return _iterate(self._workers, 0, True)
 
     def __iter__(self) -> Iterator[Dict]:
         return (batch for batch, _ in self.iter_meta())
@@ -140,8 +177,8 @@ class TrainLoader:
     def iter_meta(self) -> Iterator[Tuple[Dict, Dict]]:
         counter = _Counter(f"--train-data (epoch {self.epoch}, rank {self.cfg.rank})", self.epoch)
         self.stats = counter.stats
-        source = _iterate(self.stream(), self.cfg.workers, self.pin_memory)
-        pending, expected = {}, 0
+        source = self._source()
+        pending, expected = {}, self.start_batch
         try:
             for batch, meta in source:
                 if batch is None:
@@ -152,8 +189,7 @@ class TrainLoader:
                     batch, meta = pending.pop(expected)
                     counter.add(meta, batch)
                     expected += 1
-                    if meta["index"] >= self.start_batch:
-                        yield batch, meta
+                    yield batch, meta
         finally:
             del source
         if expected != self.num_batches or pending:
@@ -168,10 +204,10 @@ class ValLoader:
     def __init__(self, val_data: str, tokenizer: Callable, seq_len: int = 144, batch_size: int = 64,
                  patch_size: int = 16, workers: int = 0, pin_memory: bool = False):
         self.urls = expand_urls(val_data, "--val-data")
-        self.seq_len = _check_int(seq_len, "val seq_len", 1)
-        self.batch_size = _check_int(batch_size, "val batch_size", 1)
-        self.patch_size = _check_int(patch_size, "val patch_size", 1)
-        self.workers = _check_int(workers, "--workers", 0)
+        self.seq_len = check_int(seq_len, "val seq_len", 1, "an integer >= 1")
+        self.batch_size = check_int(batch_size, "val batch_size", 1, "an integer >= 1")
+        self.patch_size = check_int(patch_size, "val patch_size", 1, "an integer >= 1")
+        self.workers = check_int(workers, "--workers", 0)
         self.tokenizer, self.pin_memory = tokenizer, pin_memory
         self._num_samples = None
         self.stats = _Counter("--val-data").stats

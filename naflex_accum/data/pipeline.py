@@ -1,15 +1,20 @@
 """The worker side: raw samples -> NaFlex batches, one stream per (rank, worker).
 
 Invariant: worker w of W builds exactly the batches i of the epoch's schedule
-with ``i % W == w``, in order (torch's DataLoader round-robin), each filled to
-its scheduled size from the worker's sample stream, whose order is a pure
-function of ``(seed, epoch, rank, worker)`` and never of the batch sizes: a
-sample that fails to decode is skipped (and reported) and the batch takes the
-next one. Every yield is ``(batch, meta)``: the batch has exactly the keys the
-model takes, and ``meta`` carries the index and this batch's counts (samples,
-image tokens, corrupt samples and their messages) back to the main process.
-A ``UsageError`` in a worker is sent back as ``(None, {"error": message})`` so the
-main process can raise it as one clean line.
+with ``i % W == w`` and ``i >= start_batch``, in order (torch's DataLoader
+round-robin), each filled to its scheduled size from the worker's sample stream,
+whose order is a pure function of ``(seed, epoch, rank, worker)`` and never of
+the batch sizes: a sample that fails to decode is skipped (and reported) and the
+batch takes the next one. The batches before ``start_batch`` are skipped, not
+built: their samples are read and pass the shuffle, and each image gets the
+header check that decoding starts with (``images.inspect``), so a skip counts
+the same samples as undecodable as a decode would whenever the check is what
+fails (a cut-short file, a bad header, too many pixels), and nothing is decoded,
+resized, tokenized or collated. Every yield is ``(batch, meta)``: the batch has
+exactly the keys the model takes, and ``meta`` carries the index and this
+batch's counts (samples, image tokens, corrupt samples and their messages) back
+to the main process. A ``UsageError`` in a worker is sent back as
+``(None, {"error": message})`` so the main process can raise it as one clean line.
 """
 import random
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -17,43 +22,58 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import UsageError
-from ..naflex import collate_uint8_patches, pil_to_patches
+from ..naflex import collate_images, resize_for_seq
+from .images import decode_rgb, inspect
 from .samples import Corruption, RawSample, sample_stream, shard_samples, shuffled
 from .schedule import BatchSpec, Schedule, derive_seed
-from .shards import shard_order
+from .shards import shard_order, shard_sampler
+from .text import BatchTokenizer
 
 # Consecutive undecodable images before giving up: only a data set with no decodable image gets there.
 MAX_CONSECUTIVE_FAILURES = 1000
 
 
-def decode_samples(samples: Iterator[RawSample], count: int, seq_len: int, patch_size: int, flatten: bool,
-                   report: Corruption, flag: str) -> Tuple[List[Dict], List[str]]:
-    """Up to ``count`` decoded samples (fewer only if ``samples`` ends); failures are skipped and reported."""
-    items, captions, failures = [], [], 0
-    while len(items) < count:
+def _take(samples: Iterator[RawSample], count: int, use: Callable, report: Corruption, flag: str) -> List:
+    """``use(sample)`` for the next ``count`` samples it succeeds on (fewer only if ``samples`` ends).
+
+    A sample ``use`` raises on is skipped and reported; ``MAX_CONSECUTIVE_FAILURES`` in a row is a UsageError.
+    """
+    out, failures = [], 0
+    while len(out) < count:
         raw = next(samples, None)
         if raw is None:
             break
         try:
-            items.append(pil_to_patches(raw.image, seq_len, patch_size, flatten))
+            out.append(use(raw))
         except Exception as exc:  # truncated data, bad PNG chunks, decompression bombs: all "skip this one"
             report.add(raw.url, raw.key, f"undecodable image ({type(exc).__name__}: {exc})")
             failures += 1
             if failures >= MAX_CONSECUTIVE_FAILURES:
                 raise UsageError(f"{flag}: {failures} images in a row failed to decode; last: {report.last}")
             continue
-        finally:
-            raw.image.close()
         failures = 0
-        captions.append(raw.caption)
-    return items, captions
+    return out
 
 
-def make_batch(items: List[Dict], captions: List[str], seq_len: int, tokenizer: Callable) -> Dict:
-    text = tokenizer(captions)
-    if not isinstance(text, torch.Tensor):
-        text = torch.as_tensor(text)
-    return {"image": collate_uint8_patches(items, seq_len), "text": text.long()}
+def decode_samples(samples: Iterator[RawSample], count: int, seq_len: int, patch_size: int,
+                   report: Corruption, flag: str) -> Tuple[List[torch.Tensor], List[str]]:
+    """Up to ``count`` decoded, resized uint8 images and their captions; failures are skipped and reported."""
+    def use(raw):
+        return resize_for_seq(decode_rgb(raw.data), seq_len, patch_size), raw.caption
+    pairs = _take(samples, count, use, report, flag)
+    return [image for image, _ in pairs], [caption for _, caption in pairs]
+
+
+def skip_samples(samples: Iterator[RawSample], count: int, report: Corruption, flag: str) -> None:
+    """Consume what ``decode_samples`` would for ``count`` samples, checking headers only (see module docstring)."""
+    _take(samples, count, lambda raw: inspect(raw.data), report, flag)
+
+
+def make_batch(images: List[torch.Tensor], captions: List[str], seq_len: int, patch_size: int, flatten: bool,
+               tokenize: Callable) -> Dict:
+    in_worker = torch.utils.data.get_worker_info() is not None
+    return {"image": collate_images(images, seq_len, patch_size, flatten, shared=in_worker),
+            "text": tokenize(captions)}
 
 
 def batch_meta(index: int, batch: Dict, report: Corruption) -> Dict:
@@ -63,49 +83,96 @@ def batch_meta(index: int, batch: Dict, report: Corruption) -> Dict:
             "corrupt": corrupt, "messages": messages}
 
 
+def for_transfer(item: Tuple[Optional[Dict], Dict]) -> Tuple[Optional[Dict], Dict]:
+    """In a loader worker: the batch's small tensors as numpy arrays, which travel inside the pickled message.
+
+    Only the patches (already in shared memory) go through torch's file-descriptor passing, whose
+    authenticated hand-over per tensor costs both processes more than the pipe does for these few kilobytes.
+    ``received`` in the main process turns them back into tensors without a copy.
+    """
+    batch, meta = item
+    if batch is None:
+        return item
+    image = batch["image"]
+    image = {**image, "patch_coord": image["patch_coord"].numpy(), "patch_valid": image["patch_valid"].numpy()}
+    return {"image": image, "text": batch["text"].numpy()}, meta
+
+
+def received(batch: Dict) -> Dict:
+    """A batch as a worker sent it (``for_transfer``), with tensors again: ``torch.from_numpy`` shares the memory."""
+    import numpy as np
+
+    def tensor(value):
+        if isinstance(value, dict):
+            return {key: tensor(v) for key, v in value.items()}
+        return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+    return tensor(batch)
+
+
 def _worker() -> Tuple[int, Optional[int]]:
     info = torch.utils.data.get_worker_info()
     return (0, None) if info is None else (info.id, info.num_workers)
 
 
 class TrainStream(torch.utils.data.IterableDataset):
-    """One epoch of one rank's batches; in a DataLoader worker, that worker's share of them."""
+    """One epoch of one rank's batches; in a DataLoader worker, that worker's share of them.
 
-    def __init__(self, urls: Sequence[str], plan: Schedule, num_batches: int, epoch: int, rank: int,
-                 world_size: int, workers: int, shuffle_buffer: int, tokenizer: Callable):
+    ``position`` is an int64 tensor ``[epoch, start_batch]``, read at each ``iter``: in
+    shared memory it lets persistent workers follow ``TrainLoader.set_epoch``.
+    """
+
+    def __init__(self, urls: Sequence[str], plan: Schedule, num_batches: int, position: torch.Tensor, rank: int,
+                 world_size: int, workers: int, shuffle_buffer: int, tokenizer: Callable,
+                 resampled: bool = False, weights: Optional[Sequence[float]] = None):
         super().__init__()
-        self.urls, self.plan, self.num_batches, self.epoch = list(urls), plan, num_batches, epoch
+        self.urls, self.plan, self.num_batches, self.position = list(urls), plan, num_batches, position
         self.rank, self.world_size, self.workers = rank, world_size, max(1, workers)
-        self.shuffle_buffer, self.tokenizer = shuffle_buffer, tokenizer
+        self.shuffle_buffer, self.tokenize = shuffle_buffer, BatchTokenizer(tokenizer)
+        self.resampled, self.weights = resampled, weights
+
+    @property
+    def epoch(self) -> int:
+        return int(self.position[0])
 
     def __iter__(self):
         worker, seen = _worker()
         if seen is not None and seen != self.workers:
             raise RuntimeError(f"TrainStream built for {self.workers} workers runs in a DataLoader with {seen}")
+        epoch, start = (int(x) for x in self.position)
+        send = for_transfer if seen is not None else (lambda item: item)
         try:
-            yield from self._batches(worker)
+            for item in self._batches(worker, epoch, start):
+                yield send(item)
         except UsageError as exc:
             yield None, {"error": str(exc)}
 
-    def samples(self, worker: int, report: Corruption) -> Iterator[RawSample]:
+    def samples(self, worker: int, report: Corruption, epoch: Optional[int] = None) -> Iterator[RawSample]:
         """This (rank, worker)'s endless, shuffled sample stream for the epoch."""
-        seed = self.plan.seed
+        seed, epoch = self.plan.seed, self.epoch if epoch is None else epoch
         slot, num_slots = self.rank * self.workers + worker, self.world_size * self.workers
-        shards = shard_order(self.urls, seed, self.epoch, slot, num_slots)
-        raw = sample_stream(shards, report, len(set(self.urls)))
-        rng = random.Random(derive_seed("samples", seed, self.epoch, self.rank, worker))
+        if self.resampled:
+            shards = shard_sampler(self.urls, self.weights, seed, epoch, slot)
+            distinct = len({u for u, w in zip(self.urls, self.weights or [1] * len(self.urls)) if w > 0})
+        else:
+            shards, distinct = shard_order(self.urls, seed, epoch, slot, num_slots), len(set(self.urls))
+        raw = sample_stream(shards, report, distinct)
+        rng = random.Random(derive_seed("samples", seed, epoch, self.rank, worker))
         return shuffled(raw, self.shuffle_buffer, rng)
 
-    def _batches(self, worker: int):
-        specs = self.plan.epoch(self.epoch, self.num_batches)
+    def _batches(self, worker: int, epoch: Optional[int] = None, start: int = 0):
+        epoch = self.epoch if epoch is None else epoch
+        specs = self.plan.epoch(epoch, self.num_batches)
         report = Corruption()
-        samples = self.samples(worker, report)
+        samples = self.samples(worker, report, epoch)
         flatten = not self.plan.multi_patch
         for index in range(worker, self.num_batches, self.workers):
             spec: BatchSpec = specs[index]
-            items, captions = decode_samples(samples, spec.batch_size, spec.seq_len, spec.patch_size,
-                                             flatten, report, "--train-data")
-            batch = make_batch(items, captions, spec.seq_len, self.tokenizer)
+            if index < start:
+                skip_samples(samples, spec.batch_size, report, "--train-data")
+                continue
+            images, captions = decode_samples(samples, spec.batch_size, spec.seq_len, spec.patch_size,
+                                              report, "--train-data")
+            batch = make_batch(images, captions, spec.seq_len, spec.patch_size, flatten, self.tokenize)
             yield batch, batch_meta(index, batch, report)
 
 
@@ -115,7 +182,7 @@ class ValStream(torch.utils.data.IterableDataset):
     def __init__(self, urls: Sequence[str], seq_len: int, batch_size: int, patch_size: int, tokenizer: Callable):
         super().__init__()
         self.urls, self.seq_len, self.batch_size = list(urls), seq_len, batch_size
-        self.patch_size, self.tokenizer = patch_size, tokenizer
+        self.patch_size, self.tokenize = patch_size, BatchTokenizer(tokenizer)
 
     def __iter__(self):
         worker, workers = _worker()
@@ -124,12 +191,13 @@ class ValStream(torch.utils.data.IterableDataset):
         index = worker
         try:
             while True:
-                items, captions = decode_samples(samples, self.batch_size, self.seq_len, self.patch_size,
-                                                 True, report, "--val-data")
-                if not items:
+                images, captions = decode_samples(samples, self.batch_size, self.seq_len, self.patch_size,
+                                                  report, "--val-data")
+                if not images:
                     break
-                batch = make_batch(items, captions, self.seq_len, self.tokenizer)
-                yield batch, batch_meta(index, batch, report)
+                batch = make_batch(images, captions, self.seq_len, self.patch_size, True, self.tokenize)
+                item = batch, batch_meta(index, batch, report)
+                yield for_transfer(item) if workers else item
                 index += workers or 1
         except UsageError as exc:
             yield None, {"error": str(exc)}

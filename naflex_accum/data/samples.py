@@ -1,21 +1,22 @@
 """Reading shards into raw samples: tar members grouped by key, checked, shuffled.
 
-Invariant: ``sample_stream`` yields only samples with an image whose header PIL
-can read and a non-empty UTF-8 caption; everything else (a missing or garbage
-image, a missing caption, an unreadable or truncated tar) is skipped and
-recorded in a ``Corruption`` report, never raised, so one bad shard cannot stop
-training. The one exception is a shard set with no usable sample at all: once
-every distinct shard has been read with nothing usable since the last good
-sample, it raises a ``UsageError`` instead of spinning forever. Images are
-opened lazily (header only) here; pixels are decoded per batch, at the batch's
-size.
+Invariant: ``sample_stream`` yields only samples with image bytes of a
+recognisable format (a JPEG/PNG/WebP signature, or a file Pillow identifies) and
+a non-empty UTF-8 caption; everything else (a missing or garbage image, a
+missing caption, an unreadable or truncated tar) is skipped and recorded in a
+``Corruption`` report, never raised, so one bad shard cannot stop training. The
+one exception is a shard set with no usable sample at all: once every distinct
+shard has been read with nothing usable since the last good sample, it raises a
+``UsageError`` instead of spinning forever. No image header is parsed here: the
+samples that pass only through the shuffle buffer cost a signature check; the
+decode stage (``images.inspect``) reads headers.
 """
-import io
 import random
 import re
 from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 from ..errors import UsageError
+from .images import readable
 
 IMAGE_EXTS = ("jpg", "png", "jpeg", "webp")
 CAPTION_EXT = "txt"
@@ -26,7 +27,7 @@ _OBJECT_REPR = re.compile(r"\s*@?\s*<[^<>]*>")
 class RawSample(NamedTuple):
     key: str
     url: str
-    image: object  # a lazily opened PIL.Image
+    data: bytes  # the encoded image
     caption: str
 
 
@@ -63,13 +64,13 @@ def _split_name(fname: str):
 def tar_members(url: str) -> Iterator[Tuple[str, bytes]]:
     """(file name, bytes) of each regular file in a tar, via webdataset's gopen (paths, file:, pipe:, ...)."""
     from webdataset.gopen import gopen
-    from webdataset.tariterators import tar_file_iterator
+
+    from .tario import iter_tar
 
     stream = gopen(url)
     finished = False
     try:
-        for item in tar_file_iterator(stream):
-            yield item["fname"], item["data"]
+        yield from iter_tar(stream)
         finished = True
     finally:
         try:
@@ -81,8 +82,6 @@ def tar_members(url: str) -> Iterator[Tuple[str, bytes]]:
 
 
 def _checked(url: str, key: str, files: Dict[str, bytes], report: Corruption) -> Optional[RawSample]:
-    from PIL import Image
-
     ext = next((e for e in IMAGE_EXTS if e in files), None)
     if ext is None:
         report.add(url, key, f"no image (.{'/.'.join(IMAGE_EXTS)}); has {sorted(files)}")
@@ -99,11 +98,11 @@ def _checked(url: str, key: str, files: Dict[str, bytes], report: Corruption) ->
         report.add(url, key, "empty caption")
         return None
     try:
-        image = Image.open(io.BytesIO(files[ext]))
+        readable(files[ext])
     except Exception as exc:  # PIL raises many types for garbage; all mean "skip this sample"
         report.add(url, key, f"undecodable image .{ext} ({type(exc).__name__}: {exc})")
         return None
-    return RawSample(key, url, image, caption)
+    return RawSample(key, url, files[ext], caption)
 
 
 def shard_samples(url: str, report: Corruption) -> Iterator[RawSample]:

@@ -7,7 +7,8 @@ sizes are ``max_tokens // seq_len`` rounded down to a multiple of the divisor, s
 ``batch_size * seq_len <= max_tokens`` always. Sequence lengths (and patch sizes)
 are stratified rather than drawn independently: each epoch has the same count
 of every sequence length, shuffled, so the samples and tokens of an epoch are
-the same in every epoch. No torch here.
+the same in every epoch. Nothing heavy at import (timm, for its batch-size
+rule, on first use).
 """
 import hashlib
 import math
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Sequence
 
 from ..errors import UsageError
+from .checks import check_int
 
 
 @dataclass
@@ -35,7 +37,7 @@ class DataConfig:
     rank: int = 0
     world_size: int = 1
     shuffle_buffer: int = 1000                      # samples held for shuffling, per worker (0: no shuffle)
-    dataset_resampled: bool = True                  # --dataset-resampled / --no-dataset-resampled
+    dataset_resampled: bool = False                 # --dataset-resampled (open_clip's default: off)
     upsampling_factors: Optional[Sequence[float]] = None  # --train-data-upsampling-factors: one per '::' source
 
 
@@ -51,19 +53,13 @@ def derive_seed(*parts) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def _positive_int(value, flag: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"{flag} must be a positive integer, got {value!r}")
-    return value
-
-
 def _int_list(values, flag: str) -> List[int]:
     if isinstance(values, int):
         values = [values]
     values = list(values or ())
     if not values:
         raise UsageError(f"{flag} needs at least one value")
-    return [_positive_int(v, flag) for v in values]
+    return [check_int(v, flag) for v in values]
 
 
 def normalized_probs(seq_lens: Sequence[int], probs: Optional[Sequence[float]]) -> List[float]:
@@ -80,9 +76,11 @@ def normalized_probs(seq_lens: Sequence[int], probs: Optional[Sequence[float]]) 
 
 
 def batch_size_for(seq_len: int, max_tokens: int, divisor: int) -> int:
-    """``max_tokens // seq_len`` rounded down to a multiple of ``divisor``; a UsageError when below 1."""
-    size = (max_tokens // seq_len) // divisor * divisor
-    if size < 1:
+    """``max_tokens // seq_len`` rounded down to a multiple of ``divisor`` (timm's rule); a UsageError when below 1."""
+    from timm.data.naflex_dataset import calculate_naflex_batch_size
+
+    size = calculate_naflex_batch_size(max_tokens, seq_len, divisor=divisor, rounding="floor")
+    if size * seq_len > max_tokens or size % divisor:  # timm returns 1, not 0, when nothing fits
         need = seq_len * divisor
         div = f" and --naflex-batch-divisor {divisor}" if divisor > 1 else ""
         raise UsageError(f"--naflex-seq-lens {seq_len} with --naflex-max-tokens-per-batch {max_tokens}{div} "
@@ -95,11 +93,11 @@ class Schedule:
 
     def __init__(self, cfg: DataConfig):
         self.seq_lens = _int_list(cfg.seq_lens, "--naflex-seq-lens")
-        self.max_tokens = _positive_int(cfg.max_tokens_per_batch, "--naflex-max-tokens-per-batch")
-        self.divisor = _positive_int(cfg.batch_divisor, "--naflex-batch-divisor")
+        self.max_tokens = check_int(cfg.max_tokens_per_batch, "--naflex-max-tokens-per-batch")
+        self.divisor = check_int(cfg.batch_divisor, "--naflex-batch-divisor")
         self.patch_sizes = _int_list(cfg.patch_sizes, "--naflex-patch-sizes")
-        self.accum_freq = _positive_int(cfg.accum_freq, "--accum-freq")
-        self.world_size = _positive_int(cfg.world_size, "world_size")
+        self.accum_freq = check_int(cfg.accum_freq, "--accum-freq")
+        self.world_size = check_int(cfg.world_size, "world_size")
         self.probs = normalized_probs(self.seq_lens, cfg.seq_len_probs)
         self.batch_sizes = [batch_size_for(s, self.max_tokens, self.divisor) for s in self.seq_lens]
         self.seed = cfg.seed
@@ -127,9 +125,9 @@ class Schedule:
     def num_batches_for(self, num_samples: Optional[int] = None, num_image_tokens: Optional[int] = None) -> int:
         """Fewest batches per rank (a multiple of accum_freq) covering the global sample or token target."""
         if num_samples is not None:
-            target, which = _positive_int(num_samples, "--train-num-samples"), 0
+            target, which = check_int(num_samples, "--train-num-samples"), 0
         else:
-            target, which = _positive_int(num_image_tokens, "--naflex-num-train-image-tokens"), 1
+            target, which = check_int(num_image_tokens, "--naflex-num-train-image-tokens"), 1
         per_batch = [b if which == 0 else b * s for b, s in zip(self.batch_sizes, self.seq_lens)]
         expected = sum(p * x for p, x in zip(self.probs, per_batch)) * self.world_size
         step = self.accum_freq

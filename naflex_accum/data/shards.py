@@ -2,17 +2,22 @@
 
 Invariant: ``expand_urls`` either returns a non-empty list of shard URLs whose
 local files all exist, or raises a one-line ``UsageError`` naming the flag and
-the pattern or file at fault. ``shard_order`` is an endless, seeded stream that
-depends only on ``(seed, epoch, slot)``: within each pass over the shard list
-the slots (one per rank and worker) read disjoint shards, and a slot that has
-fewer shards than it needs simply goes on to the next reshuffled pass, so no
-rank or worker ever runs dry.
+the pattern or file at fault. Both shard streams are endless, seeded, and depend
+only on ``(seed, epoch, slot)`` (one slot per rank and worker), so every rank
+computes its own stream the same way whatever the others do:
+``shard_order`` (open_clip without ``--dataset-resampled``) passes over the shard
+list without replacement, each pass reshuffled and split between the slots, and
+a slot that has fewer shards than it needs goes on to the next pass, so no rank
+or worker ever runs dry; ``shard_sampler`` (``--dataset-resampled``) draws shards
+with replacement, each with its source's weight (``--train-data-upsampling-factors``).
 """
 import glob
+import itertools
 import json
+import math
 import os
 import random
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Union
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
@@ -53,27 +58,53 @@ def expand_urls(spec: str, flag: str = "--train-data") -> List[str]:
     may also be globs or a directory of ``.tar`` files. ``pipe:`` and remote URLs are
     passed through unchecked (a bad one is reported as a corrupt shard when read).
     """
+    return [url for source in expand_sources(spec, flag) for url in source]
+
+
+def expand_sources(spec: str, flag: str = "--train-data") -> List[List[str]]:
+    """``expand_urls``, one list per ``::``-joined source."""
     from braceexpand import braceexpand
 
     if not isinstance(spec, str) or not spec.strip():
         raise UsageError(f"{flag} is empty; give webdataset shards, e.g. /data/shard-{{000000..000099}}.tar "
                          f"(several sources joined by '::')")
-    urls = []
+    sources = []
     for source in spec.split("::"):
         source = source.strip()
         if not source:
             raise UsageError(f"{flag} {spec!r} has an empty source (a leading, trailing or doubled '::')")
         expanded = list(braceexpand(source))
         if local_path(expanded[0]) is None:
-            urls.extend(expanded)
+            sources.append(expanded)
             continue
         paths = [p for item in expanded for p in _expand_local(local_path(item), source, flag)]
         missing = [p for p in paths if not os.path.isfile(p)]
         if missing:
             raise UsageError(f"{flag}: shard file {missing[0]!r} does not exist ({len(missing)} of {len(paths)} "
                              f"shards of {source!r} missing)")
-        urls.extend(paths)
-    return urls
+        sources.append(paths)
+    return sources
+
+
+def shard_weights(sources: Sequence[Sequence[str]], factors: Union[None, str, Sequence[float]],
+                  resampled: bool) -> Optional[List[float]]:
+    """One sampling weight per shard: its source's upsampling factor (open_clip's meaning); None without factors."""
+    if factors is None:
+        return None
+    flag = "--train-data-upsampling-factors"
+    if not resampled:
+        raise UsageError(f"{flag} needs --dataset-resampled: the factors weight shards drawn with replacement")
+    values = factors.split("::") if isinstance(factors, str) else list(factors)
+    if len(values) != len(sources):
+        raise UsageError(f"{flag} has {len(values)} values but --train-data has {len(sources)} source(s) joined "
+                         f"by '::'; give one factor per source")
+    try:
+        values = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag} {factors!r}: each factor must be a number") from None
+    if any(not math.isfinite(v) or v < 0 for v in values) or not any(v > 0 for v in values):
+        raise UsageError(f"{flag} {values}: factors must be finite, >= 0, and not all 0")
+    return [v for v, source in zip(values, sources) for _ in source]
 
 
 def dataset_size(urls: Sequence[str]) -> Optional[int]:
@@ -114,3 +145,13 @@ def shard_order(urls: Sequence[str], seed: int, epoch: int, slot: int, num_slots
         random.Random(derive_seed("shards", seed, epoch, passes)).shuffle(order)
         yield from order[slot::num_slots] or [order[slot % len(order)]]
         passes += 1
+
+
+def shard_sampler(urls: Sequence[str], weights: Optional[Sequence[float]], seed: int, epoch: int,
+                  slot: int) -> Iterator[str]:
+    """Endless stream of shards drawn with replacement for slot ``slot``, each in proportion to its weight."""
+    rng = random.Random(derive_seed("resampled", seed, epoch, slot))
+    urls = list(urls)
+    cumulative = list(itertools.accumulate(weights)) if weights is not None else None
+    while True:
+        yield from rng.choices(urls, cum_weights=cumulative, k=64)

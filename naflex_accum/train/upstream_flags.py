@@ -41,7 +41,7 @@ FLAGS: Dict[str, Flag] = {
     "--val-num-samples": Flag(R, "not needed: the held-out set is read to its end and counted"),
     "--dataset-type": Flag(L, "only webdataset shards are read (no csv, synthetic or audio data)",
                            ("webdataset", "auto")),
-    "--dataset-resampled": Flag(W, "on by default here (--no-dataset-resampled turns it off)"),
+    "--dataset-resampled": Flag(W, "off by default, as upstream"),
     "--audio-ext": _AUDIO, "--pretrained-audio": _AUDIO, "--audio-fill": _AUDIO, "--audio-trunc": _AUDIO,
     "--audio-fusion": _AUDIO, "--audio-int16-normalize": _AUDIO, "--audio-zeroshot-dataset": _AUDIO,
     "--audio-zeroshot-split": _AUDIO, "--audio-zeroshot-audio-key": _AUDIO,

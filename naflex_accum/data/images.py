@@ -1,0 +1,225 @@
+"""Image bytes -> uint8 RGB tensors: torchvision's decoders where they apply, Pillow for the rest.
+
+Invariant: ``decode_rgb(data)`` is a uint8 ``[3, H, W]`` tensor laid out channels-last
+in memory (what the uint8 resize and patchify read fastest), whichever decoder made
+it, converted the same way from every mode: EXIF orientation applied; grey and
+palette expanded; CMYK as Pillow converts it; 16-bit samples scaled to 8 bits by
+their high byte (never clipped); any alpha (RGBA, LA, palette or colour-key
+transparency) composited over white. torchvision decodes JPEG, PNG (but for a
+grey or RGB colour key) and WebP (but for EXIF or animation); Pillow decodes
+everything else it opens (GIF, BMP, TIFF, ...) and whatever torchvision refuses. Float images
+(mode F) and 32-bit integer images above the 16-bit range have no defined 8-bit
+scale and are refused.
+
+``inspect(data)`` is the structural part of decoding (format, size, the pixel
+limit, a JPEG/PNG/WebP stream that ends early): ``decode_rgb`` runs it first, and a
+resumed epoch runs it, alone, on the samples it skips, so both count the same
+samples as undecodable without the skip decoding anything. ``readable(data)`` is
+the read-time check: a known signature, else Pillow identifies the format.
+"""
+import io
+import warnings
+from typing import NamedTuple
+
+import torch
+
+_JPEG, _PNG, _WEBP = "jpeg", "png", "webp"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_WHITE = 255
+
+
+class ImageInfo(NamedTuple):
+    format: str        # "jpeg", "png", "webp" (torchvision decodes) or Pillow's format name
+    height: int
+    width: int
+    alpha: bool = False
+    bits16: bool = False
+    torchvision: bool = True
+
+
+def sniff(data: bytes):
+    """The format torchvision decodes, from the signature: "jpeg", "png", "webp", or None."""
+    if data[:3] == b"\xff\xd8\xff":
+        return _JPEG
+    if data[:8] == _PNG_SIGNATURE:
+        return _PNG
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return _WEBP
+    return None
+
+
+def readable(data: bytes) -> bool:
+    """Cheap read-time check: a JPEG/PNG/WebP signature, else Pillow can identify the file (raises if not)."""
+    if sniff(data) is not None:
+        return True
+    from PIL import Image
+    with Image.open(io.BytesIO(data)):
+        return True
+
+
+def _be(b: bytes) -> int:
+    return int.from_bytes(b, "big")
+
+
+def _le(b: bytes) -> int:
+    return int.from_bytes(b, "little")
+
+
+def _jpeg(data: bytes) -> ImageInfo:
+    pos, n, size = 2, len(data), None
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            raise ValueError(f"JPEG marker expected at byte {pos}")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            pos += 2
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # start of frame
+            size = (_be(data[pos + 5:pos + 7]), _be(data[pos + 7:pos + 9]))
+        elif marker == 0xDA:  # start of scan: entropy-coded data follows, which never holds FF D9
+            if size is None or 0 in size:
+                raise ValueError("JPEG without a frame size")
+            if data.rfind(b"\xff\xd9", pos) < 0:
+                raise ValueError("JPEG data ends early (no end-of-image marker)")
+            return ImageInfo(_JPEG, *size)
+        pos += 2 + _be(data[pos + 2:pos + 4])
+    raise ValueError("JPEG data ends before its first scan")
+
+
+def _png(data: bytes) -> ImageInfo:
+    if data[12:16] != b"IHDR" or len(data) < 33:
+        raise ValueError("PNG without a header chunk")
+    width, height, depth, colour = _be(data[16:20]), _be(data[20:24]), data[24], data[25]
+    alpha, key, pos, n = colour in (4, 6), False, 33, len(data)
+    while pos + 8 <= n:  # walk the chunks: a tRNS chunk means transparency; no IEND means the file was cut
+        kind = data[pos + 4:pos + 8]
+        if kind == b"IEND":
+            # torchvision ignores a grey or RGB colour key (tRNS outside a palette): Pillow applies it
+            return ImageInfo(_PNG, height, width, alpha, depth == 16, torchvision=not key)
+        if kind == b"tRNS":
+            alpha, key = True, colour in (0, 2)
+        pos += 12 + _be(data[pos:pos + 4])
+    raise ValueError("PNG data ends early (no IEND chunk)")
+
+
+def _webp(data: bytes) -> ImageInfo:
+    if len(data) < _le(data[4:8]) + 8 or len(data) < 30:
+        raise ValueError("WebP data ends early")
+    kind = data[12:16]
+    if kind == b"VP8 ":
+        return ImageInfo(_WEBP, _le(data[28:30]) & 0x3FFF, _le(data[26:28]) & 0x3FFF)
+    if kind == b"VP8L":
+        bits = _le(data[21:25])
+        return ImageInfo(_WEBP, 1 + ((bits >> 14) & 0x3FFF), 1 + (bits & 0x3FFF), bool(bits >> 28 & 1))
+    if kind == b"VP8X":
+        flags = data[20]
+        # torchvision ignores EXIF orientation in WebP and reads no animation: Pillow takes those
+        return ImageInfo(_WEBP, 1 + _le(data[27:30]), 1 + _le(data[24:27]), bool(flags & 0x10),
+                         torchvision=not flags & 0x0A)
+    raise ValueError(f"WebP with an unknown chunk {kind!r}")
+
+
+def _check_pixels(info: ImageInfo) -> ImageInfo:
+    from PIL import Image
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and info.height * info.width > 2 * limit:  # where Pillow raises DecompressionBombError
+        raise ValueError(f"{info.width}x{info.height} pixels is more than twice PIL.Image.MAX_IMAGE_PIXELS "
+                         f"({limit}), a possible decompression bomb")
+    return info
+
+
+def inspect(data: bytes) -> ImageInfo:
+    """Format, size and flags from the header; raises on a stream cut short or too many pixels."""
+    fmt = sniff(data)
+    if fmt is not None:
+        return _check_pixels({_JPEG: _jpeg, _PNG: _png, _WEBP: _webp}[fmt](data))
+    from PIL import Image
+    with Image.open(io.BytesIO(data)) as img:  # Pillow raises its own DecompressionBombError
+        return ImageInfo(img.format or "unknown", img.height, img.width, torchvision=False)
+
+
+def channels_last(img: torch.Tensor) -> torch.Tensor:
+    """``[C, H, W]`` laid out ``[H, W, C]`` in memory (a no-op for torchvision's decoders' output)."""
+    c, _, w = img.shape
+    if img.stride() == (1, w * c, c):
+        return img
+    return img.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
+def over_white(rgba: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[4, H, W]`` RGBA -> ``[3, H, W]`` RGB composited over white, rounded to nearest."""
+    alpha = rgba[3:].to(torch.int32)
+    out = (rgba[:3].to(torch.int32) * alpha + _WHITE * (255 - alpha) + 127) // 255
+    return channels_last(out.to(torch.uint8))
+
+
+_quiet = False
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    global _quiet
+    if _quiet:
+        return torch.frombuffer(data, dtype=torch.uint8)
+    # torch warns (once a process) that bytes are read-only; the decoders only read them.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        out = torch.frombuffer(data, dtype=torch.uint8)
+    _quiet = True
+    return out
+
+
+def _torchvision(data: bytes, info: ImageInfo) -> torch.Tensor:
+    from torchvision.io import ImageReadMode, decode_jpeg, decode_png, decode_webp
+
+    raw = _as_tensor(data)
+    mode = ImageReadMode.RGB_ALPHA if info.alpha else ImageReadMode.RGB
+    if info.format == _JPEG:
+        return decode_jpeg(raw, mode=mode, apply_exif_orientation=True)
+    if info.format == _PNG:
+        img = decode_png(raw, mode=mode, apply_exif_orientation=True)
+        if info.bits16:
+            img = (img.to(torch.int32) >> 8).to(torch.uint8)
+    else:
+        img = decode_webp(raw, mode=mode)
+    return over_white(img) if info.alpha else img
+
+
+def _pillow(data: bytes) -> torch.Tensor:
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    def tensor(array):  # HWC numpy -> CHW view of HWC memory
+        return torch.from_numpy(array).permute(2, 0, 1)
+
+    with Image.open(io.BytesIO(data)) as img:
+        ImageOps.exif_transpose(img, in_place=True)
+        mode, key = img.mode, img.info.get("transparency")
+        if mode == "F":
+            raise ValueError("a floating-point image (mode F) has no defined 8-bit scale")
+        if mode.startswith("I"):  # I;16, I;16B, I;16L, I;16N, I: 16-bit (or 32-bit integer) grey
+            grey = np.asarray(img).astype(np.int64)
+            if grey.size and (grey.min() < 0 or grey.max() > 0xFFFF):
+                raise ValueError(f"a mode {mode} image with values outside 0..65535 has no defined 8-bit scale")
+            planes = [(grey >> 8).astype(np.uint8)] * 3
+            if key is None:
+                return tensor(np.stack(planes, -1))
+            return over_white(tensor(np.stack(planes + [np.where(grey == key, 0, 255).astype(np.uint8)], -1)))
+        if "A" in mode or "a" in mode or key is not None:
+            if mode in ("La", "RGBa"):
+                img = img.convert(mode.upper())  # un-premultiply first
+            return over_white(tensor(np.array(img.convert("RGBA"))))
+        return tensor(np.array(img.convert("RGB")))
+
+
+def decode_rgb(data: bytes, info: ImageInfo = None) -> torch.Tensor:
+    """uint8 ``[3, H, W]`` (channels-last memory) of an encoded image, converted as the module docstring says."""
+    info = inspect(data) if info is None else info
+    if info.torchvision:
+        try:
+            return channels_last(_torchvision(data, info))  # EXIF rotations come back transposed
+        except Exception:
+            pass  # what torchvision refuses (12-bit JPEG, say), Pillow may still read; if not, it raises
+    return channels_last(_pillow(data))

@@ -1,0 +1,169 @@
+"""Mid-epoch resume without decoding the skipped part, persistent pinned workers, and resampled shard streams."""
+import collections
+import os
+
+import pytest
+import torch
+
+from naflex_accum.data import make_train_loader
+from naflex_accum.data.shards import shard_order, shard_sampler
+from naflex_accum.errors import UsageError
+from test_data_common import CharTokenizer, config, decode_text, demo, shard_paths, tar_members, write_tar
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return demo(tmp_path_factory.mktemp("resume")).train
+
+
+@pytest.fixture(scope="module")
+def damaged(shards, tmp_path_factory):
+    """The demo shards plus one whose images are cut short or garbage: both kinds a resume must count alike."""
+    out = tmp_path_factory.mktemp("damaged")
+    members = []
+    for k, (name, data) in enumerate(tar_members(shard_paths(shards)[0])):
+        if name.endswith((".jpg", ".png")) and k % 9 == 0:
+            data = data[:len(data) // 2]
+        elif name.endswith((".jpg", ".png")) and k % 7 == 0:
+            data = b"garbage" * 10
+        members.append((name, data))
+    write_tar(out / "damaged.tar", members)
+    return f"{out}/damaged.tar::" + shards
+
+
+def same(a, b):
+    return len(a) == len(b) and all(
+        torch.equal(x["text"], y["text"]) and all(torch.equal(x["image"][k], y["image"][k]) for k in x["image"])
+        for x, y in zip(a, b))
+
+
+def epoch(loader, number, start=0):
+    loader.set_epoch(number, start)
+    return list(loader)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resumed_epoch_yields_the_uninterrupted_batches(shards, damaged, workers):
+    for spec in (shards, damaged):
+        loader = make_train_loader(config(spec, workers=workers, num_samples=160), CharTokenizer())
+        whole = epoch(loader, 1)
+        assert len(whole) == loader.num_batches > 6
+        assert (loader.stats["corrupt"] > 0) == (spec == damaged)
+        for start in (1, loader.num_batches // 2, loader.num_batches - 1, loader.num_batches):
+            resumed = epoch(loader, 1, start)
+            assert same(resumed, whole[start:]), (spec, start)
+            assert loader.stats["batches"] == loader.num_batches - start
+
+
+def test_skipped_batches_are_not_decoded_tokenized_or_collated(shards, monkeypatch):
+    import naflex_accum.data.pipeline as pipeline
+
+    calls = collections.Counter()
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(pipeline, name, wrapper)
+    for name in ("decode_rgb", "resize_for_seq", "collate_images"):
+        counted(name, getattr(pipeline, name))
+
+    class CountingTokenizer(CharTokenizer):
+        def __call__(self, texts):
+            calls["tokenize"] += 1
+            return super().__call__(texts)
+
+    loader = make_train_loader(config(shards, num_samples=160), CountingTokenizer())
+    start = loader.num_batches - 2
+    batches = epoch(loader, 0, start)
+    decoded = sum(b["text"].shape[0] for b in batches)
+    assert len(batches) == 2 and calls == {"decode_rgb": decoded, "resize_for_seq": decoded,
+                                           "collate_images": 2, "tokenize": 2}
+
+
+def test_persistent_pinned_workers_follow_set_epoch(shards):
+    plain = make_train_loader(config(shards, workers=2), CharTokenizer())
+    pinned = make_train_loader(config(shards, workers=2), CharTokenizer(), pin_memory=True)
+    pids = []
+    for number, start in ((0, 0), (1, 0), (1, 3), (2, 0)):
+        assert same(epoch(pinned, number, start), epoch(plain, number, start))
+        pids.append(sorted(w.pid for w in pinned._workers._iterator._workers))
+        if torch.cuda.is_available():
+            assert next(iter(pinned))["image"]["patches"].is_pinned()
+    assert pids[0] == pids[-1] and pinned._workers.persistent_workers  # the same processes every epoch
+    assert len(pids[0]) == 2 and os.getpid() not in pids[0]
+
+
+# --- shard streams: open_clip's --dataset-resampled and --train-data-upsampling-factors ---------------------
+
+
+def test_without_resampling_each_pass_reads_every_shard_once(shards):
+    urls = shard_paths(shards)
+    passes = [[next(o) for _ in range(2)] for o in (shard_order(urls, 0, 3, slot, 3) for slot in range(3))]
+    assert sorted(u for p in passes for u in p) == sorted(urls)
+
+
+def test_resampled_shards_are_drawn_with_replacement_by_weight(shards):
+    urls = shard_paths(shards)
+    weights = [3.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    draws = [next(d) for d in [shard_sampler(urls, weights, 0, 0, 1)] for _ in range(7000)]
+    counts = collections.Counter(draws)
+    assert urls[2] not in counts and abs(counts[urls[0]] / counts[urls[1]] - 3) < 0.4
+    again = shard_sampler(urls, weights, 0, 0, 1)
+    assert [next(again) for _ in range(200)] == draws[:200]                          # seeded by (seed, epoch, slot)
+    other = shard_sampler(urls, weights, 0, 0, 2)
+    assert [next(other) for _ in range(200)] != draws[:200]
+
+
+def test_resampled_loader_is_deterministic_and_honours_factors(shards, tmp_path):
+    paths = shard_paths(shards)
+    spec = f"{paths[0]}::{paths[1]}::{paths[2]}"
+    run = [epoch(make_train_loader(config(spec, dataset_resampled=True, workers=w), CharTokenizer()), 2)
+           for w in (0, 0)]
+    assert same(*run)
+    only_second = make_train_loader(config(spec, dataset_resampled=True, upsampling_factors=(0, 1, 0),
+                                           num_samples=40), CharTokenizer())
+    captions = {c for b in epoch(only_second, 0) for c in decode_text(b["text"])}
+    allowed = {d.decode() for n, d in tar_members(paths[1]) if n.endswith(".txt")}
+    assert captions <= allowed
+    assert same(epoch(only_second, 0), epoch(make_train_loader(
+        config(spec, dataset_resampled=True, upsampling_factors="0::1::0", num_samples=40), CharTokenizer()), 0))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dataset_resampled=False, upsampling_factors=(1, 2)),
+     r"--train-data-upsampling-factors needs --dataset-resampled"),
+    (dict(dataset_resampled=True, upsampling_factors=(1,)),
+     r"--train-data-upsampling-factors has 1 values but --train-data has 2 source\(s\)"),
+    (dict(dataset_resampled=True, upsampling_factors=(1, -1)), r"finite, >= 0, and not all 0"),
+    (dict(dataset_resampled=True, upsampling_factors=(0, 0)), r"not all 0"),
+    (dict(dataset_resampled=True, upsampling_factors=(1, float("nan"))), r"finite"),
+    (dict(dataset_resampled=True, upsampling_factors="1::x"), r"each factor must be a number"),
+])
+def test_bad_upsampling_factors(shards, kw, match):
+    paths = shard_paths(shards)
+    with pytest.raises(UsageError, match=match) as info:
+        make_train_loader(config(f"{paths[0]}::{paths[1]}", **kw), CharTokenizer())
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_batches_reach_the_gpu_without_a_sync(shards, workers):
+    loader = make_train_loader(config(shards, workers=workers, num_samples=40), CharTokenizer(), pin_memory=True)
+    expected = epoch(make_train_loader(config(shards, workers=workers, num_samples=40), CharTokenizer()), 0)
+    loader.set_epoch(0)
+    moved = []
+    for batch in loader:
+        assert all(t.is_pinned() for t in (batch["text"], *batch["image"].values()))
+        torch.cuda.set_sync_debug_mode("error")  # a copy from pageable memory would synchronise, and raise here
+        try:
+            moved.append({"text": batch["text"].to("cuda", non_blocking=True),
+                          "image": {k: v.to("cuda", non_blocking=True) for k, v in batch["image"].items()}})
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert same([{"text": b["text"].cpu(), "image": {k: v.cpu() for k, v in b["image"].items()}} for b in moved],
+                expected)
