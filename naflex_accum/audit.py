@@ -22,7 +22,6 @@ from .naflex import collate_patches, concat_batches, image_to_patches
 from .scales import window_loss_scale
 
 LOGIT_PARAMS = ("logit_scale", "logit_bias")
-EOT_TOKEN = 49407  # open_clip's end-of-text id: its text tower pools at the argmax token
 
 
 class GradProbe(torch.optim.Optimizer):
@@ -111,14 +110,6 @@ def to_device(obj, device):
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
     return obj.to(device) if isinstance(obj, torch.Tensor) else obj
-
-
-def split_window(examples: Dict, split: Sequence[int]) -> List[Dict]:
-    """Split one concatenated batch into microbatches of the given sizes, in order."""
-    def take(obj, lo, hi):
-        return {k: take(v, lo, hi) for k, v in obj.items()} if isinstance(obj, dict) else obj[lo:hi]
-    bounds = [0] + list(torch.tensor(list(split)).cumsum(0).tolist())
-    return [take(examples, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def full_batch_grads(task, batches: List[Dict], seeds: Sequence[int], chunked: bool, autocast=nullcontext):

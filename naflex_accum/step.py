@@ -205,11 +205,3 @@ class AccumulationStep:
         finish_step(task, optimizer, scaler, args)
         return detach_values(losses), detach_values(report), size, accum_state
 
-
-def __getattr__(name):
-    # ``naflex_accum.step.train_step_eager`` named the drop-in before the modes had their own modules;
-    # it is the default mode's step, as ``naflex_accum.train_step_eager`` is.
-    if name == "train_step_eager":
-        from .cached_loss import cached_loss_step
-        return cached_loss_step
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

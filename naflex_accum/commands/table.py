@@ -34,7 +34,7 @@ def load_step(spec: str):
 
 def main(argv, prog="naflex-accum table") -> int:
     parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--step", default="naflex_accum.step:train_step_eager",
+    parser.add_argument("--step", default="naflex_accum:train_step_eager",
                         help="MODULE:FUNCTION of the step to audit (default: ours)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row")
     args = parser.parse_args(argv)
