@@ -7,13 +7,15 @@ the models are built by upstream's factory (``open_clip.create_model`` with a
 timm NaFlexVit tower, ``force_naflex_vision``) and wrapped in upstream's
 ``CLIPTask``; our steps run on the same objects. For a window of N samples in k
 microbatches it times, with warm-up and interleaved repeats (the order rotates
-each repeat), the median optimizer step of:
+each repeat), one torch thread by default (steadier than two on a small shared
+machine), the median optimizer step of:
   full      upstream's step with accum_freq 1 over the N samples: the baseline, 1.00x
   upstream  upstream's step, accum_freq k
   replay    naflex_accum.replay_step (the window loss per microbatch, as upstream)
   default   naflex_accum.train_step_eager (cached-loss: the window loss once)
-and prints each ratio against ``full`` and against ``upstream``, the targets
-with PASS/FAIL, and (tower-heavy, k = 4) each step's peak memory: the rise of
+and prints each ratio against ``full`` and against ``upstream`` (the median of
+the ratios paired within each repeat, so a slow spell hits both sides of a
+ratio alike), the targets with PASS/FAIL, and (tower-heavy, k = 4) each step's peak memory: the rise of
 the process's peak RSS (VmHWM, reset through /proc/self/clear_refs) over its
 RSS before one steady-state step, measured in a fresh process per variant
 after one warm-up step, so weights, gradients and optimizer state are
@@ -166,7 +168,8 @@ def one_step(task, optimizer, step_fn, microbatches, k):
     assert result is not None
 
 
-def time_setting(setting, ks, repeats, warmup, quick, fns, stat=statistics.median):
+def time_setting(setting, ks, repeats, warmup, quick, fns):
+    """Every timed repeat of every (variant, k), in seconds."""
     import torch
 
     task, batch = build(setting, quick)
@@ -181,7 +184,12 @@ def time_setting(setting, ks, repeats, warmup, quick, fns, stat=statistics.media
             one_step(task, optimizer, fns[variant], windows[k], k)
             if r >= warmup:
                 times[(variant, k)].append(time.perf_counter() - start)
-    return {row: stat(v) for row, v in times.items()}
+    return times
+
+
+def paired(times, row, base) -> float:
+    """Median over repeats of ``row``'s time over ``base``'s in the same repeat."""
+    return statistics.median(t / b for t, b in zip(times[row], times[base]))
 
 
 def _status_kb(field):
@@ -220,9 +228,9 @@ def memory_setting(setting, k, quick, threads):
     return out
 
 
-def report(setting, times, ks, quick):
+def report(setting, times, ks, quick, stat):
     s = (QUICK if quick else SETTINGS)[setting]
-    full = times[("full", 1)]
+    full = stat(times[("full", 1)])
     print(f"\n{setting}: N = {s['n']} samples per window, seq len {s['seq_len']}, embed dim {s['embed_dim']}, "
           f"vision width {s['vision']['embed_dim']} x {s['vision']['depth']}, text width {s['text']['width']} x "
           f"{s['text']['layers']}; full-batch step {full * 1000:.0f} ms")
@@ -230,8 +238,9 @@ def report(setting, times, ks, quick):
     print("|---|---|---|---|---|")
     for k in ks:
         for variant in ("upstream", "replay", "default"):
-            t = times[(variant, k)]
-            print(f"| {k} | {variant} | {t * 1000:.0f} | {t / full:.2f}x | {t / times[('upstream', k)]:.2f}x |")
+            row = (variant, k)
+            print(f"| {k} | {variant} | {stat(times[row]) * 1000:.0f} | {paired(times, row, ('full', 1)):.2f}x | "
+                  f"{paired(times, row, ('upstream', k)):.2f}x |")
 
 
 def check_targets(all_times, memory):
@@ -242,7 +251,7 @@ def check_targets(all_times, memory):
         times = all_times.get(setting)
         if times is None or (variant, k) not in times:
             continue
-        ratio = times[(variant, k)] / times[(base, k)]
+        ratio = paired(times, (variant, k), (base, k))
         ok = ratio <= limit
         failed += not ok
         print(f"| {setting} k={k}: {variant} <= {limit:.2f}x {base} | {ratio:.3f}x | {'PASS' if ok else 'FAIL'} |")
@@ -271,8 +280,8 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5; --quick 1)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--stat", choices=("median", "min"), default="median",
-                        help="per-variant statistic over the repeats (min: steadier on a shared machine)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+                        help="per-variant step time shown over the repeats (min: steadier on a shared machine)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on small machines)")
     parser.add_argument("--quick", action="store_true", help="small models, k = 2 4, one repeat: a smoke run")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--upstream", type=Path, default=SNAPSHOT, help="the pinned upstream snapshot (.tar.gz)")
@@ -290,7 +299,7 @@ def main():
     upstream_step, label = load_upstream(args.stand_in, args.upstream)
     import torch
 
-    torch.set_num_threads(args.threads or torch.get_num_threads())
+    torch.set_num_threads(args.threads)
     if args.probe:
         print(memory_probe(args.probe[0], args.probe[1], int(args.probe[2]), args.quick, upstream_step))
         return 0
@@ -298,17 +307,17 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.stat} of {args.repeats} interleaved "
           f"repeats after {args.warmup} warm-up{' (--quick: small models)' if args.quick else ''}\nupstream: {label}")
     fns, all_times, memory = steps(upstream_step), {}, None
+    stat = min if args.stat == "min" else statistics.median
     for setting in settings:
-        stat = min if args.stat == "min" else statistics.median
-        all_times[setting] = time_setting(setting, args.ks, args.repeats, args.warmup, args.quick, fns, stat)
-        report(setting, all_times[setting], args.ks, args.quick)
+        all_times[setting] = time_setting(setting, args.ks, args.repeats, args.warmup, args.quick, fns)
+        report(setting, all_times[setting], args.ks, args.quick, stat)
     if not args.no_memory and "tower-heavy" in settings:
         memory = memory_setting("tower-heavy", 4, args.quick, torch.get_num_threads())
         report_memory("tower-heavy", 4, memory)
     failed = check_targets(all_times, memory)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({s: {f"{v}@{k}": t for (v, k), t in times.items()} for s, times in all_times.items()}
+            json.dump({s: {f"{v}@{k}": ts for (v, k), ts in times.items()} for s, times in all_times.items()}
                       | {"memory_kib": memory or {}}, f, indent=1)
     print(f"\n{'all targets met' if not failed else f'{failed} target(s) missed'}"
           f"{' (small models: the targets are for the full settings)' if args.quick else ''}")
