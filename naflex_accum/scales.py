@@ -12,9 +12,13 @@ from typing import Optional, Sequence, Union
 MODES = ("none", "linear", "sqrt")
 
 
-def is_positive_int(value) -> bool:
+def is_int_at_least(value, minimum: int) -> bool:
     # bool is an int subclass; a True batch size is a bug, not a 1.
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def is_positive_int(value) -> bool:
+    return is_int_at_least(value, 1)
 
 
 def validate_mode(mode: Optional[str]) -> str:

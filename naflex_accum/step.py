@@ -30,7 +30,7 @@ from typing import Dict, List
 import torch
 
 from .rng import RngState
-from .scales import check_options, window_is_naflex, window_loss_scale
+from .scales import check_options, is_positive_int, window_is_naflex, window_loss_scale
 from .sync import grad_sync
 from .window import LOGIT_KEYS, Microbatch, Window, WindowCache, is_naflex_batch, microbatch_size
 
@@ -76,7 +76,7 @@ def detach_values(d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 def _accum_freq(args) -> int:
     k = getattr(args, "accum_freq", 1)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    if not is_positive_int(k):
         raise ValueError(f"--accum-freq must be a positive integer; got {k!r}.")
     return k
 

@@ -141,7 +141,7 @@ def test_lock_groups_follow_upstream_main():
 
 @pytest.mark.parametrize("extra,message", [
     (["--lock-image-unlocked-groups", "1"], "no effect without --lock-image"),
-    (["--lock-text", "--lock-text-unlocked-layers", "-1"], "must be >= 0"),
+    (["--lock-text", "--lock-text-unlocked-layers", "-1"], "must be an integer >= 0"),
     (["--lock-image", "--lock-text"], "only logit_scale"),
     (["--lock-image", "--lock-image-unlocked-groups", "5"], "unlocks all 5 layer groups"),
     (["--lock-text", "--lock-text-unlocked-layers", "4"], "unlocks all 4 layer groups"),

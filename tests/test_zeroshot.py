@@ -174,8 +174,8 @@ def test_due_follows_upstream():
     (["--zeroshot-data", "x.tar"], "--zeroshot-data needs --zeroshot-classes"),
     (["--zeroshot-classes", "demo-shapes"], "needs labelled images"),
     (["--zeroshot-classes", "no-such-list"], "built-in class lists are demo-shapes"),
-    (["--zeroshot-frequency", "-1"], "--zeroshot-frequency must be >= 0"),
-    (["--val-frequency", "-2"], "--val-frequency must be >= 0"),
+    (["--zeroshot-frequency", "-1"], "--zeroshot-frequency must be an integer >= 0"),
+    (["--val-frequency", "-2"], "--val-frequency must be an integer >= 0"),
 ])
 def test_bad_zero_shot_flags(extra, message):
     from naflex_accum.train.params import parse_args

@@ -9,7 +9,7 @@ prints the --train-data / --val-data patterns. Refuses a non-empty DIR unless
 import os
 import time
 
-from ..errors import OneLineParser, UsageError
+from ..errors import OneLineParser, UsageError, check_int
 
 
 def main(argv, prog="naflex-accum make-demo-data") -> int:
@@ -29,8 +29,7 @@ def main(argv, prog="naflex-accum make-demo-data") -> int:
         raise UsageError(f"DIR {args.dir!r} exists and is not a folder")
     if os.path.isdir(args.dir) and os.listdir(args.dir) and not args.force:
         raise UsageError(f"DIR {args.dir!r} is not empty; choose a new folder or pass --force to write into it")
-    if args.processes < 0:
-        raise UsageError(f"--processes must be >= 0, got {args.processes}")
+    check_int(args.processes, "--processes", 0)
     start = time.time()
     out = write_demo_data(args.dir, num_samples=args.num_samples, val_samples=args.val_samples,
                           seed=args.seed, shard_size=args.shard_size, processes=args.processes)

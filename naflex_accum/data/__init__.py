@@ -5,9 +5,8 @@ Modules, one concern each: ``schedule`` (the per-epoch batch plan, pure),
 members), ``samples`` (grouping, checks, shuffle), ``images`` (decoding to uint8
 RGB, every mode), ``text`` (per-batch tokenizing), ``pipeline`` (worker side:
 decode, batch, skip), ``loader`` (main side: the loaders and their stats),
-``checks`` (the integer validator), ``demo`` (synthetic data), ``bench``
-(throughput). Importing this package imports neither torch nor PIL; the names
-below load their module on first use.
+``demo`` (synthetic data), ``bench`` (throughput). Importing this package
+imports neither torch nor PIL; the names below load their module on first use.
 """
 import importlib
 

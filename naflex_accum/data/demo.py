@@ -148,7 +148,7 @@ def write_demo_data(out_dir: str, num_samples: int = 10000, val_samples: int = 1
     Overwrites same-named shards in those folders (the CLI refuses a non-empty
     folder without ``--force``). ``processes=0`` uses up to the machine's CPU count.
     """
-    from .checks import check_int
+    from ..errors import check_int
 
     check_int(num_samples, "--num-samples")
     check_int(shard_size, "--shard-size")

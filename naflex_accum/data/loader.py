@@ -15,8 +15,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..errors import UsageError
-from .checks import check_int
+from ..errors import UsageError, check_int
 from .pipeline import TrainStream, ValStream, received
 from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import dataset_size, expand_sources, expand_urls, shard_weights

@@ -16,8 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Sequence
 
-from ..errors import UsageError
-from .checks import check_int
+from ..errors import UsageError, check_int
 
 
 @dataclass

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import List, Optional
 
-from ..errors import OneLineParser, UsageError
+from ..errors import OneLineParser, UsageError, check_int
 from ..modes import DEFAULT_MODE
 from ..modes import MODES as MODES_ACCUM
 from ..scales import MODES, check_options
@@ -183,11 +183,10 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = "naflex-accum train
     return args
 
 
-def _positive(args, *names):
+def _ints(args, minimum: int, *names):
     for name in names:
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive; got {value}")
+        if getattr(args, name) is not None:
+            check_int(getattr(args, name), f"--{name.replace('_', '-')}", minimum)
 
 
 def _check_precision(args) -> None:
@@ -213,12 +212,12 @@ def _infer_siglip(args) -> None:
 def validate(args) -> None:
     if not args.train_data:
         raise UsageError("--train-data is required: webdataset shards, e.g. 'data/train-{0000..0009}.tar'")
-    _positive(args, "accum_freq", "epochs", "lr", "naflex_max_tokens_per_batch", "naflex_batch_divisor",
-              "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
-              "val_seq_len", "check_every_n_steps")
-    for name in ("workers", "warmup", "save_frequency", "save_every_n_steps", "keep_last"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(args, name)}")
+    _ints(args, 1, "accum_freq", "epochs", "naflex_max_tokens_per_batch", "naflex_batch_divisor",
+          "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
+          "val_seq_len", "check_every_n_steps")
+    _ints(args, 0, "workers", "warmup", "save_frequency", "save_every_n_steps", "keep_last")
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be positive; got {args.lr}")
     if args.save_every_n_steps and args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1 with --save-every-n-steps (0 would delete every "
                          "step checkpoint as it is written)")
@@ -228,8 +227,9 @@ def validate(args) -> None:
         check_options(args.naflex_loss_scale, args.batch_size, naflex=True)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if any(s <= 0 for s in args.naflex_seq_lens) or any(s <= 0 for s in args.naflex_patch_sizes):
-        raise UsageError("--naflex-seq-lens and --naflex-patch-sizes must be positive integers")
+    for flag, values in (("--naflex-seq-lens", args.naflex_seq_lens), ("--naflex-patch-sizes", args.naflex_patch_sizes)):
+        for value in values:
+            check_int(value, flag)
     too_long = [s for s in args.naflex_seq_lens if s > args.naflex_max_tokens_per_batch]
     if too_long:
         raise UsageError(f"--naflex-seq-lens {too_long} exceed --naflex-max-tokens-per-batch "
