@@ -49,10 +49,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
 
 
+def entry(argv: Optional[List[str]] = None) -> int:
+    """``main`` for a process that ends with the command (the console script, ``python -m``)."""
+    from .train.preempt import exits_after_run
+
+    exits_after_run()  # a scheduler's SIGTERM after a run has saved must not kill it during teardown
+    return main(argv)
+
+
 def _version() -> str:
     from . import __version__
     return f"naflex-accum {__version__}"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -4,6 +4,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -140,3 +141,23 @@ def test_full_disk_is_one_line_and_leaves_no_partial_checkpoint(setup, tmp_path,
     finally:
         if mounted is not None:
             subprocess.run(["umount", str(small)])
+
+
+def test_a_signal_after_the_run_has_saved_does_not_kill_the_process():
+    """SIGTERM between the end of a run and the process exit (a time limit landing during teardown): the
+    entry point's process exits with the run's status, not -15; in-process callers get their handlers back."""
+    code = ("import os, signal, sys\n"
+            "from pathlib import Path\n"
+            "from types import SimpleNamespace\n"
+            "from naflex_accum.train import preempt\n"
+            "world = SimpleNamespace(is_master=True)\n"
+            "if sys.argv[1] == 'entry':\n"
+            "    preempt.exits_after_run()\n"
+            "stop = preempt.StopRequest(Path('STOP'), world)\n"
+            "stop.close()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "sys.exit(0)\n")
+    entry = subprocess.run([sys.executable, "-c", code, "entry"], env=SUBPROCESS_ENV, timeout=60)
+    in_process = subprocess.run([sys.executable, "-c", code, "library"], env=SUBPROCESS_ENV, timeout=60)
+    assert entry.returncode == 0
+    assert in_process.returncode == -signal.SIGTERM  # the default handler is back

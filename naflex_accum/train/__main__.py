@@ -1,7 +1,7 @@
 """``python -m naflex_accum.train ARGS`` (and ``torchrun ... -m naflex_accum.train ARGS``): the trainer."""
 import sys
 
-from ..cli import main
+from ..cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(entry(["train", *sys.argv[1:]]))

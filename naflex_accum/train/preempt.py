@@ -10,7 +10,9 @@ file in the run folder (what launch/slurm.sbatch writes, since torchrun does not
 forward SIGUSR1 to its workers). The data loader's workers ignore both
 signals, so one sent to the whole process group (as SLURM sends it) does not
 kill a worker under the trainer; the previous handlers come back when the run
-ends.
+ends, except in a process that ends with the run (``exits_after_run``): there a
+signal after the run has saved is ignored, so a scheduler's SIGTERM landing
+during teardown cannot turn a finished, saved run into a killed one.
 """
 import signal
 import threading
@@ -18,6 +20,13 @@ from pathlib import Path
 
 EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped on request after saving; run it again to continue
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_process_ends_with_run = False
+
+
+def exits_after_run() -> None:
+    """Called by the entry points (console script, ``python -m``): this process ends when the run does."""
+    global _process_ends_with_run
+    _process_ends_with_run = True
 
 
 class Preempted(Exception):
@@ -58,5 +67,5 @@ class StopRequest:
 
     def close(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if _process_ends_with_run else handler)
         self._previous = {}
