@@ -7,7 +7,7 @@ whose ratio must be 1.0 (upstream counts them k times). With stochastic layers
 the reference runs each microbatch's forward under the same seed as the step
 did, so both see the same masks, then takes one loss and one backward.
 
-Used by the tests, by ``naflex-accum table`` (the README's table) and by
+Used by the tests, by ``naflex-accum table`` (the table in docs/equivalence.md) and by
 ``naflex-accum verify``.
 """
 import math

@@ -18,7 +18,7 @@ COMMANDS = {
     "make-demo-data": ("make_demo_data", "write synthetic image-caption webdataset shards"),
     "openclip": ("openclip", "run upstream open_clip main's trainer with the fixed step installed"),
     "verify": ("verify", "audit split invariance of the step training would use, on this install"),
-    "table": ("table", "print the full split-invariance table (the README's table)"),
+    "table": ("table", "print the full split-invariance table (docs/equivalence.md)"),
 }
 
 

@@ -1,8 +1,8 @@
 """Upstream open_clip main's own trainer through the runner, end to end, on the pinned snapshot.
 
 Tiny runs on demo shards: a NaFlex CLIP (``--use-naflex --accum-freq 2
---naflex-loss-scale linear``, upstream's default ``amp`` precision, so its
-GradScaler path too) through ``python -m naflex_accum.openclip``, and a CoCa
+--naflex-loss-scale linear``, upstream's default precision ``amp_bf16``, so
+under bf16 autocast) through ``python -m naflex_accum.openclip``, and a CoCa
 (dense images, ``--accum-freq 2``) in a process whose logging runs at WARNING.
 Each must train, write its checkpoint, and leave in its run folder the record
 that the fix ran and in which mode (``out.log`` and ``params.txt``).

@@ -1,4 +1,4 @@
-"""``naflex-accum table``: the full equivalence matrix, as printed in the README.
+"""``naflex-accum table``: the full equivalence matrix, as printed in docs/equivalence.md.
 
 Every split of AUDIT_SPLITS, every mode, CLIP and SigLIP, with and without
 stochastic layers; exits 0 only if every row passes.
