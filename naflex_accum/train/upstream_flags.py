@@ -27,7 +27,8 @@ _CSV = Flag(R, "csv data is not read here: webdataset shards only")
 _WANDB = Flag(R, "wandb is not a dependency: tensorboard events go to logs/NAME/tensorboard "
                  "(`wandb sync --sync-tensorboard` uploads them)")
 _COMPILE = Flag(R, "torch.compile is not wired into this trainer (each microbatch has its own NaFlex shape)")
-_FSDP = Flag(R, "FSDP is not supported: the accumulation step is verified under DDP (torchrun) only")
+_FSDP = Flag(R, "FSDP is not wired into this trainer (DDP only); the step itself is verified under FSDP2, "
+                 "for your own loop")
 _REMOTE = Flag(R, "remote sync is not offered: copy logs/NAME yourself (checkpoints are written atomically)")
 _BUCKETS = Flag(R, "captions are padded to the model's context length; there is no length bucketing")
 _NOOP = "accepted; it has no effect on these models, as upstream"
