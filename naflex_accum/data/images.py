@@ -78,14 +78,16 @@ def _jpeg(data: bytes) -> ImageInfo:
             pos += 2
             continue
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # start of frame
-            size = (_be(data[pos + 5:pos + 7]), _be(data[pos + 7:pos + 9]))
+            if pos + 9 > n:
+                raise ValueError("JPEG data ends inside its frame header")
+            size = (data[pos + 5] << 8 | data[pos + 6], data[pos + 7] << 8 | data[pos + 8])  # height, width
         elif marker == 0xDA:  # start of scan: entropy-coded data follows, which never holds FF D9
             if size is None or 0 in size:
                 raise ValueError("JPEG without a frame size")
             if data.rfind(b"\xff\xd9", pos) < 0:
                 raise ValueError("JPEG data ends early (no end-of-image marker)")
             return ImageInfo(_JPEG, *size)
-        pos += 2 + _be(data[pos + 2:pos + 4])
+        pos += 2 + (data[pos + 2] << 8 | data[pos + 3])  # big-endian segment length
     raise ValueError("JPEG data ends before its first scan")
 
 

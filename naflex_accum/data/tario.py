@@ -122,6 +122,13 @@ class _Chunked:
         self.pos = end
         return out
 
+    def skip(self, n: int) -> int:
+        """Pass over the next ``n`` bytes without copying them; how many there were (fewer only at the end)."""
+        if self.pos + n <= len(self.buffer):
+            self.pos += n
+            return n
+        return len(self.take(n))
+
 
 def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
     """``(name, data)`` of each regular file of the tar archive read from ``stream``."""
@@ -145,8 +152,8 @@ def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
         if size < 0:
             raise tarfile.ReadError("invalid header (negative size)")
         padded = -(-size // BLOCK) * BLOCK
-        data = reader.take(padded)
-        if len(data) < padded:
+        data = reader.take(size)  # the padding is skipped, not copied
+        if len(data) < size or reader.skip(padded - size) < padded - size:
             raise tarfile.ReadError("unexpected end of data")
         if kind in _REGULAR:
             name = pax.get("path") or long_name
@@ -156,12 +163,12 @@ def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
                     name = f"{_name(block[345:500])}/{name}"
             folder = kind == b"\0" and name.endswith("/")  # how pre-POSIX tars mark a folder
             if not folder and ("__" not in name or not _SKIP_META.match(name)):
-                yield name, data[:size] if size != padded else data
+                yield name, data
             long_name, pax = None, {}
         elif kind == b"L":
-            long_name = _name(data[:size])
+            long_name = _name(data)
         elif kind == b"x":
-            pax = _pax(data[:size])
+            pax = _pax(data)
         elif kind not in (b"g", b"K"):  # global pax defaults and GNU long link names name no regular file
             long_name, pax = None, {}
         block = reader.take(BLOCK)
