@@ -282,7 +282,8 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setting", choices=(*SETTINGS, "both"), default="both")
     parser.add_argument("--ks", type=int, nargs="+", default=None, help="microbatches per window (default 2 4 8)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5 tower-heavy, 15 loss-heavy; --quick 1)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats (default 5 tower-heavy, 15 loss-heavy; --quick 1)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="per-variant step time shown over the repeats (min: steadier on a shared machine)")
@@ -311,8 +312,10 @@ def main():
         return 0
     settings = list(SETTINGS) if args.setting == "both" else [args.setting]
     repeats = {s: args.repeats or REPEATS[s] for s in settings}
+    quick = " (--quick: small models)" if args.quick else ""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.stat} of "
-          f"{', '.join(f'{n} ({s})' for s, n in repeats.items())} interleaved repeats after {args.warmup} warm-up{' (--quick: small models)' if args.quick else ''}\nupstream: {label}")
+          f"{', '.join(f'{n} ({s})' for s, n in repeats.items())} interleaved repeats after {args.warmup} "
+          f"warm-up{quick}\nupstream: {label}")
     fns, all_times, memory = steps(upstream_step), {}, None
     stat = min if args.stat == "min" else statistics.median
     for setting in settings:

@@ -227,7 +227,8 @@ def validate(args) -> None:
         check_options(args.naflex_loss_scale, args.batch_size, naflex=True)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    for flag, values in (("--naflex-seq-lens", args.naflex_seq_lens), ("--naflex-patch-sizes", args.naflex_patch_sizes)):
+    for flag, values in (("--naflex-seq-lens", args.naflex_seq_lens),
+                         ("--naflex-patch-sizes", args.naflex_patch_sizes)):
         for value in values:
             check_int(value, flag)
     too_long = [s for s in args.naflex_seq_lens if s > args.naflex_max_tokens_per_batch]
