@@ -132,3 +132,24 @@ def test_load_payload_refuses_code_and_garbage(tmp_path):
     from safetensors.torch import save_file
     save_file({"w": torch.ones(2)}, str(tmp_path / "w.safetensors"))
     assert torch.equal(load_payload(tmp_path / "w.safetensors", flag="--pretrained")["w"], torch.ones(2))
+
+
+def test_mid_epoch_resume_counts_the_epochs_samples_from_that_epochs_schedule(setup, tmp_path):
+    """The console's [n/N] after a resume inside epoch 1 equals the uninterrupted run's (batch sizes differ per
+    epoch, so counting the skipped batches with another epoch's schedule would show another n)."""
+    import re
+
+    shards, model, _ = setup
+    argv = ("--naflex-seq-lens", "16", "36", "--save-every-n-steps", "1", "--keep-last", "100")
+    train_in_process(run_argv(shards, model, tmp_path, "whole", *argv))
+    steps = sorted((tmp_path / "whole/checkpoints").glob("step_*.pt"), key=lambda p: int(p.stem[5:]))
+    inside = next(p for p in steps if torch.load(p, weights_only=True).get("epoch") == 1 and
+                  torch.load(p, weights_only=True).get("step_in_epoch", 0) > 0)
+    train_in_process(run_argv(shards, model, tmp_path, "resumed", *argv, "--resume", str(inside)))
+
+    def epoch_1_lines(name):
+        text = (tmp_path / name / "out.log").read_text()
+        return {m.group(2): m.group(1) for m in re.finditer(r"Train Epoch: 1 \[\s*(\d+)/\d+ .*?Step: (\d+)/", text)}
+
+    whole, resumed = epoch_1_lines("whole"), epoch_1_lines("resumed")
+    assert resumed and all(whole[step] == n for step, n in resumed.items()), (whole, resumed)

@@ -83,7 +83,7 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
     args, world, task, k = loop.args, loop.world, state.task, loop.args.accum_freq
     num_steps = loader.num_batches // k
     start = state.step_in_epoch * k
-    epoch_samples = sum(spec.batch_size for spec in loader.schedule()[:start]) * world.world_size
+    epoch_samples = sum(spec.batch_size for spec in loader.schedule(state.epoch)[:start]) * world.world_size
     batches = _start_epoch(state, loader, args, world)
     loop.logger.start_epoch(state.epoch, num_steps - state.step_in_epoch)
     accum_state = ([], {}) if k > 1 else None
@@ -123,7 +123,7 @@ def after_step(state, loop: Loop, done: int, num_steps: int, sizes, lr, epoch_sa
     save_now = loop.saver.step_due(state.global_step)
     due = state.global_step % args.check_every_n_steps == 0
     signalled = not world.distributed and loop.stop.signalled is not None  # free to honour at once in one process
-    if not (log_now or save_now or due or last or signalled):
+    if not (log_now or save_now or due or signalled):  # log_now includes the epoch's last step
         return
     check = loop.monitor.check(loop.stop.pending())
     if check.steps:
