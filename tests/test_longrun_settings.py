@@ -77,12 +77,12 @@ def test_resume_into_another_model_names_the_mismatch(setup, tmp_path, capsys):
     (tmp_path / "wide.json").write_text(json.dumps(config))
     argv = run_argv(shards, str(tmp_path / "wide.json"), tmp_path, "b", "--resume",
                     str(tmp_path / "a/checkpoints/epoch_1.pt"), workers=0)
-    exit_2_one_line(capsys, argv, "epoch_1.pt does not fit --model", "shapes checkpoint vs model (2): "
-                    "text_projection (32, 32) vs (32, 48), visual.head.proj.weight (32, 32) vs (48, 32)")
+    exit_2_one_line(capsys, argv, "epoch_1.pt does not fit --model", "2 with another shape (text_projection: "
+                    "file [32, 32] vs model [32, 48], visual.head.proj.weight: file [32, 32] vs model [48, 32])")
     assert not (tmp_path / "b").exists()
     argv = run_argv(shards, model, tmp_path, "c", "--resume", str(tmp_path / "a/checkpoints/epoch_1.pt"), "--siglip",
                     workers=0)
-    exit_2_one_line(capsys, argv, "does not fit --model", "missing (1): logit_bias")
+    exit_2_one_line(capsys, argv, "does not fit --model", "1 missing (logit_bias)")
 
 
 def test_mid_epoch_resume_with_other_schedule_settings_is_refused(setup, tmp_path, capsys):

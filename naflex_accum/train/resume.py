@@ -15,6 +15,7 @@ import torch
 
 from ..errors import UsageError
 from ..rng import RngState
+from .finetune import mismatch
 
 log = logging.getLogger("naflex_accum")
 
@@ -23,7 +24,6 @@ SCHEDULE_FLAGS = ("accum_freq", "naflex_max_tokens_per_batch", "naflex_seq_lens"
                   "naflex_patch_sizes", "naflex_batch_divisor", "train_num_samples",
                   "naflex_num_train_image_tokens", "workers", "seed", "dataset_resampled",
                   "train_data_upsampling_factors")
-SHOWN = 3  # differences named in one error line
 
 
 def schedule_settings(args, world) -> dict:
@@ -62,17 +62,12 @@ def mid_epoch_payload(state, model, args, world, rng_states) -> dict:
 
 def check_fits(model, state_dict: dict, where: str, model_name: str) -> dict:
     """``state_dict`` without DDP's ``module.`` prefix, or a UsageError naming the first mismatches."""
-    theirs = {k.removeprefix("module."): v for k, v in state_dict.items()}
-    own = model.state_dict()
-    missing = [k for k in own if k not in theirs]
-    unexpected = [k for k in theirs if k not in own]
-    shapes = [f"{k} {tuple(theirs[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-              if k in theirs and tuple(theirs[k].shape) != tuple(v.shape)]
-    problems = [f"{label} ({len(items)}): {', '.join(items[:SHOWN])}{', ...' if len(items) > SHOWN else ''}"
-                for label, items in (("shapes checkpoint vs model", shapes), ("missing", missing),
-                                     ("unexpected", unexpected)) if items]
-    if problems:
-        raise UsageError(f"{where} does not fit --model {model_name}: " + "; ".join(problems))
+    from timm.models import clean_state_dict
+
+    theirs = clean_state_dict(state_dict)
+    problem = mismatch(model.state_dict(), theirs)
+    if problem:
+        raise UsageError(f"{where} does not fit --model {model_name}: {problem}")
     return theirs
 
 
