@@ -16,7 +16,7 @@ a newer one is complete. What is written when:
 """
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from .checkpoint import prune_step_checkpoints, save_checkpoint
 from .monitor import host_read
@@ -51,29 +51,32 @@ class Saver:
     def save_epoch(self, state) -> None:
         """After epoch ``state.epoch`` (already counted as complete) and its evaluation."""
         args, epoch = self.args, state.epoch
-        if args.save_frequency and (epoch % args.save_frequency == 0 or epoch == args.epochs):
-            self._write(self.paths.checkpoint(epoch), lambda: epoch_payload(state, self.model, args))
-            if args.delete_previous_checkpoint and epoch - args.save_frequency > 0:
-                on_master(self.world, _unlink, self.paths.checkpoint(epoch - args.save_frequency))
-        if args.save_most_recent:
-            self._write(self.paths.most_recent, lambda: epoch_payload(state, self.model, args))
+        due = bool(args.save_frequency) and (epoch % args.save_frequency == 0 or epoch == args.epochs)
+        paths = [self.paths.checkpoint(epoch)] if due else []
+        paths += [self.paths.most_recent] if args.save_most_recent else []
+        if paths:  # one weights check and one payload, however many files get it
+            self._write(paths, lambda: epoch_payload(state, self.model, args))
+        if due and args.delete_previous_checkpoint and epoch - args.save_frequency > 0:
+            on_master(self.world, _unlink, self.paths.checkpoint(epoch - args.save_frequency))
 
     def _write_mid_epoch(self, path: Path, state) -> None:
         rng_states = gather_rng_states(self.world)
-        self._write(path, lambda: mid_epoch_payload(state, self.model, self.args, self.world, rng_states))
+        self._write([path], lambda: mid_epoch_payload(state, self.model, self.args, self.world, rng_states))
 
-    def _write(self, path: Path, make_payload) -> None:
+    def _write(self, paths: List[Path], make_payload) -> None:
         with host_read():  # a save reads the device (the weights check, the state to the CPU) by design
             if not weights_finite(self.model):
-                raise NonFiniteWeights(path)
-            on_master(self.world, self._write_on_master, path, make_payload)
-        self.last_good = path
+                raise NonFiniteWeights(paths[0])
+            on_master(self.world, self._write_on_master, paths, make_payload)
+        self.last_good = paths[-1]
 
-    def _write_on_master(self, path: Path, make_payload) -> None:
-        save_checkpoint(path, make_payload())
+    def _write_on_master(self, paths: List[Path], make_payload) -> None:
+        payload = make_payload()
+        for path in paths:
+            save_checkpoint(path, payload)
         most_recent = self.paths.most_recent
-        if path != most_recent and not self.args.save_most_recent:
-            most_recent.unlink(missing_ok=True)  # superseded by ``path``
+        if most_recent not in paths and not self.args.save_most_recent:
+            most_recent.unlink(missing_ok=True)  # superseded by ``paths``
 
 
 def _unlink(path: Path) -> None:
