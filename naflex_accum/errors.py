@@ -33,3 +33,10 @@ def check_int(value, flag: str, minimum: int = 1, noun: Optional[str] = None) ->
         noun = noun or ("a positive integer" if minimum == 1 else f"an integer >= {minimum}")
         raise UsageError(f"{flag} must be {noun}, got {value!r}")
     return value
+
+
+def check_ints(args, minimum: int, *names: str) -> None:
+    """``check_int`` on each ``args.NAME`` that is set, naming it as its flag (``--name-with-dashes``)."""
+    for name in names:
+        if getattr(args, name) is not None:
+            check_int(getattr(args, name), f"--{name.replace('_', '-')}", minimum)

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import List, Optional
 
-from ..errors import OneLineParser, UsageError, check_int
+from ..errors import OneLineParser, UsageError, check_int, check_ints
 from ..modes import DEFAULT_MODE
 from ..modes import MODES as MODES_ACCUM
 from ..scales import MODES, check_options
@@ -183,12 +183,6 @@ def parse_args(argv: Optional[List[str]] = None, prog: str = "naflex-accum train
     return args
 
 
-def _ints(args, minimum: int, *names):
-    for name in names:
-        if getattr(args, name) is not None:
-            check_int(getattr(args, name), f"--{name.replace('_', '-')}", minimum)
-
-
 def _check_precision(args) -> None:
     if args.precision in CAST_PRECISIONS:
         dtype = "bfloat16" if "bf16" in args.precision else "float16"
@@ -212,10 +206,10 @@ def _infer_siglip(args) -> None:
 def validate(args) -> None:
     if not args.train_data:
         raise UsageError("--train-data is required: webdataset shards, e.g. 'data/train-{0000..0009}.tar'")
-    _ints(args, 1, "accum_freq", "epochs", "naflex_max_tokens_per_batch", "naflex_batch_divisor",
-          "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
-          "val_seq_len", "check_every_n_steps")
-    _ints(args, 0, "workers", "warmup", "save_frequency", "save_every_n_steps", "keep_last")
+    check_ints(args, 1, "accum_freq", "epochs", "naflex_max_tokens_per_batch", "naflex_batch_divisor",
+               "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
+               "val_seq_len", "check_every_n_steps")
+    check_ints(args, 0, "workers", "warmup", "save_frequency", "save_every_n_steps", "keep_last")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive; got {args.lr}")
     if args.save_every_n_steps and args.keep_last < 1:
