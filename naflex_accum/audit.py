@@ -20,6 +20,7 @@ import torch
 
 from .naflex import collate_patches, concat_batches, image_to_patches
 from .scales import window_loss_scale
+from .step import total_loss
 
 LOGIT_PARAMS = ("logit_scale", "logit_bias")
 
@@ -130,7 +131,7 @@ def full_batch_grads(task, batches: List[Dict], seeds: Sequence[int], chunked: b
             feats = {k: torch.cat([o[k] for o in outs]) for k in outs[0] if k not in LOGIT_PARAMS}
             logits = {k: outs[-1][k] for k in LOGIT_PARAMS if k in outs[-1]}
             losses, _ = task.compute_accum_loss(feats, logits, batches)
-            losses["loss"] = sum(v for k, v in losses.items() if k.endswith("_loss"))
+            losses["loss"] = total_loss(losses)
     losses["loss"].backward()
     grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
              for n, p in named_params(task)}

@@ -152,6 +152,17 @@ def _upstream_style_coca():
     return _coca_class
 
 
+def fill_decoder_projection(model) -> None:
+    """Initialise CoCa's ``text_decoder.text_projection`` as open_clip's ``init_parameters`` means to.
+
+    open_clip (3.3.0 and main) creates it with ``torch.empty`` and never calls the
+    method that would fill it, so a fresh CoCa's caption logits start from whatever
+    memory held (NaN at times): no audit can be reproducible on that.
+    """
+    projection = model.text_decoder.text_projection
+    nn.init.normal_(projection, std=projection.shape[0] ** -0.5)  # shape[0] is the decoder's width
+
+
 def create_coca_model(config: Optional[dict] = None, *, patch_dropout: Optional[float] = None,
                       text_dropout: float = 0.0, logit_bias: bool = False, grad_checkpointing: bool = False):
     """A tiny random open_clip ``CoCa`` (dense images) that returns upstream main's CoCa output dict.
@@ -163,9 +174,7 @@ def create_coca_model(config: Optional[dict] = None, *, patch_dropout: Optional[
     if patch_dropout is not None:
         cfg["vision_cfg"]["patch_dropout"] = patch_dropout
     model = _upstream_style_coca()(**cfg, init_logit_bias=-10.0 if logit_bias else None)
-    # open_clip (3.3.0 and main) leaves the decoder's output projection as torch.empty: initialise it.
-    decoder = model.text_decoder
-    nn.init.normal_(decoder.text_projection, std=decoder.width ** -0.5)
+    fill_decoder_projection(model)
     if text_dropout:
         set_attention_dropout(model.text, text_dropout)
         set_attention_dropout(model.text_decoder, text_dropout)

@@ -175,8 +175,7 @@ def collate_uint8_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int
     (``addcmul`` of the uint8 patches).
     """
     channels = len(mean)
-    scale = 1.0 / (255.0 * torch.tensor(std))
-    neg_shift = -torch.tensor(mean) / torch.tensor(std)
+    neg_shift, scale = _normaliser(tuple(mean), tuple(std), 1)
 
     def normalise(src, dst):
         m = src.shape[0]

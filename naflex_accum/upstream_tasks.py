@@ -117,7 +117,7 @@ def write_model_dir(folder: str, loss: str, stochastic: bool = False,
     Upstream's trainer takes the name as ``--model`` (it picks its CoCa task
     when the name contains "coca", so name a CoCa folder accordingly) and loads
     weights found in the folder: ``weights`` saves the seeded tiny model's, which
-    a CoCa run needs (see ``_fill_decoder_projection``).
+    a CoCa run needs (see ``models.fill_decoder_projection``).
     """
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "open_clip_config.json"), "w") as f:
@@ -131,27 +131,15 @@ def write_model_dir(folder: str, loss: str, stochastic: bool = False,
     return name
 
 
-def _fill_decoder_projection(model) -> None:
-    """Initialise CoCa's ``text_decoder.text_projection`` as upstream's ``init_parameters`` means to.
-
-    Upstream's CoCa creates it with ``torch.empty`` and never calls the method
-    that would fill it, so a fresh CoCa's caption logits start from whatever
-    memory held (NaN at times): no audit can be reproducible on that.
-    """
-    import torch
-
-    projection = model.text_decoder.text_projection
-    with torch.no_grad():
-        torch.nn.init.normal_(projection, std=projection.shape[0] ** -0.5)
-
-
 def _build(name: str, loss: str, **extra):
     import open_clip
 
     with _quiet("open_clip"):
         model = open_clip.create_model(name, output_dict=True, device="cpu", **extra)
     if loss == "coca":
-        _fill_decoder_projection(model)
+        from .models import fill_decoder_projection
+
+        fill_decoder_projection(model)
     return model
 
 

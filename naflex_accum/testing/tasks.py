@@ -19,6 +19,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn as nn
 
+from ..step import total_loss
 from ..tasks import ClipTask, _report, unwrap
 
 
@@ -55,7 +56,7 @@ class MutatingTask(ClipTask):
         weights = out["text_lengths"].float() / batch["text"].shape[1]
         losses = _objective(self.loss, out["image_features"], out["text_features"], out["pair_features"][:, 1:],
                             weights, out["logit_scale"], out.get("logit_bias"))
-        losses["loss"] = sum(v for k, v in losses.items() if k.endswith("_loss"))
+        losses["loss"] = total_loss(losses)
         return losses, _report(out)
 
     def compute_accum_loss(self, inputs, inputs_no_accum, accum_batches):
