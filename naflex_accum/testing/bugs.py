@@ -16,20 +16,19 @@ it in one mode catches the same mistake in the other.
 ``no_rng_replay_step``, ``always_sync_step`` and ``upstream_style_step`` are the replay-mode ones
 (upstream's mode), ``*_cached_step`` the cached-loss ones.
 """
-import math
 from contextlib import nullcontext
 
 from ..cached_loss import CachedLossStep
 from ..replay import ReplayStep
+from ..scales import window_loss_scale
 from ..step import LOGIT_KEYS
 
 
 class PerReplayScale:
     def replay_scale(self, window, j):
-        if window.mode == "none" or not window.microbatches[j].naflex:
-            return 1.0
-        ratio = window.microbatches[j].size / window.reference_batch_size
-        return math.sqrt(ratio) if window.mode == "sqrt" else ratio
+        # upstream: each replay takes the scale of a window of that one microbatch
+        mb = window.microbatches[j]
+        return window_loss_scale([mb.size], window.reference_batch_size, window.mode, naflex=mb.naflex)
 
 
 class LogitKTimes:
