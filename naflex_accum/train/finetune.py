@@ -91,7 +91,8 @@ def validate(args) -> None:
     parse_upsampling_factors(args)
     if args.force_patch_dropout is not None and not 0.0 <= args.force_patch_dropout < 1.0:
         raise UsageError(f"--force-patch-dropout must be in [0, 1); got {args.force_patch_dropout}")
-    check_ints(args, 0, "lock_image_unlocked_groups", "lock_text_unlocked_layers", "zeroshot_frequency", "val_frequency")
+    check_ints(args, 0, "lock_image_unlocked_groups", "lock_text_unlocked_layers", "zeroshot_frequency",
+               "val_frequency")
     for count, lock in (("--lock-image-unlocked-groups", "lock_image"), ("--lock-text-unlocked-layers", "lock_text")):
         if getattr(args, count[2:].replace("-", "_")) and not getattr(args, lock):
             raise UsageError(f"{count} has no effect without --{lock.replace('_', '-')}")
