@@ -22,6 +22,13 @@ after one warm-up step, so weights, gradients and optimizer state are
 excluded. The probe runs with glibc's mmap threshold at 64 KiB and no trim
 threshold, so every tensor's memory is mapped on allocation and unmapped on
 free: RSS then follows torch's live allocations instead of malloc's cache.
+The timing process keeps freed memory in glibc's heap (``mallopt``: no mmap'd
+chunks, no trim), as torch's CUDA caching allocator keeps it on a GPU: with
+glibc's defaults a step's activations are unmapped when freed and faulted in
+again, zeroed, on the next step, which measured here 0.3 to 10 s of kernel time
+per 12 s step, varying with the allocator's state rather than with the step.
+The header prints the page faults left in the timed steps (``--system-malloc``
+times with glibc's defaults).
 ``*-older`` are our steps in the previous order (every microbatch replayed,
 ``reuse_last_graph = False``): today's step against the new one.
 
@@ -74,6 +81,7 @@ TARGETS = [("tower-heavy", 2, "default", "upstream", 0.90), ("tower-heavy", 4, "
 REPEATS = {"tower-heavy": 5, "loss-heavy": 15}
 MEMORY_VARIANTS = ("full", "upstream", "replay-older", "replay", "default-older", "default")
 MEMORY_TARGET = ("tower-heavy", 4, "default", "default-older", 1.0)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # glibc's mallopt parameters (malloc.h)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}  # RSS = live tensors
 
 
@@ -171,8 +179,26 @@ def one_step(task, optimizer, step_fn, microbatches, k):
     assert result is not None
 
 
-def time_setting(setting, ks, repeats, warmup, quick, fns):
-    """Every timed repeat of every (variant, k), in seconds."""
+def hold_freed_memory() -> bool:
+    """Keep freed memory in glibc's heap for reuse instead of returning it to the kernel; False if not glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(mallopt(param, value) == 1 for param, value in
+               ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2 ** 31 - 1), (M_TOP_PAD, 64 << 20)))
+
+
+def page_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def time_setting(setting, ks, repeats, warmup, quick, fns, faults):
+    """Every timed repeat of every (variant, k), in seconds; ``faults`` collects the timed steps' page faults."""
     import torch
 
     task, batch = build(setting, quick)
@@ -183,10 +209,11 @@ def time_setting(setting, ks, repeats, warmup, quick, fns):
     for r in range(warmup + repeats):
         shift = r % len(rows)  # rotate the order: drift hits every variant alike
         for variant, k in rows[shift:] + rows[:shift]:
-            start = time.perf_counter()
+            flt, start = page_faults(), time.perf_counter()
             one_step(task, optimizer, fns[variant], windows[k], k)
             if r >= warmup:
                 times[(variant, k)].append(time.perf_counter() - start)
+                faults.append(page_faults() - flt)
     return times
 
 
@@ -284,7 +311,10 @@ def parse_args():
     parser.add_argument("--ks", type=int, nargs="+", default=None, help="microbatches per window (default 2 4 8)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats (default 5 tower-heavy, 15 loss-heavy; --quick 1)")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed rounds first (default 2: the heap grows to its steady size in them)")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="time with glibc's default malloc (freed memory unmapped and faulted in again)")
     parser.add_argument("--stat", choices=("median", "min"), default="median",
                         help="per-variant step time shown over the repeats (min: steadier on a shared machine)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on small machines)")
@@ -310,17 +340,20 @@ def main():
     if args.probe:
         print(memory_probe(args.probe[0], args.probe[1], int(args.probe[2]), args.quick, upstream_step))
         return 0
+    held = not args.system_malloc and hold_freed_memory()
     settings = list(SETTINGS) if args.setting == "both" else [args.setting]
     repeats = {s: args.repeats or REPEATS[s] for s in settings}
     quick = " (--quick: small models)" if args.quick else ""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.stat} of "
           f"{', '.join(f'{n} ({s})' for s, n in repeats.items())} interleaved repeats after {args.warmup} "
-          f"warm-up{quick}\nupstream: {label}")
-    fns, all_times, memory = steps(upstream_step), {}, None
+          f"warm-up rounds{quick}\nupstream: {label}\nmalloc: "
+          f"{'freed memory kept in the heap (mallopt)' if held else 'glibc defaults'}")
+    fns, all_times, memory, faults = steps(upstream_step), {}, None, []
     stat = min if args.stat == "min" else statistics.median
     for setting in settings:
-        all_times[setting] = time_setting(setting, args.ks, repeats[setting], args.warmup, args.quick, fns)
+        all_times[setting] = time_setting(setting, args.ks, repeats[setting], args.warmup, args.quick, fns, faults)
         report(setting, all_times[setting], args.ks, args.quick, stat)
+    print(f"\npage faults per timed step: median {statistics.median(faults):.0f}, max {max(faults)}")
     if not args.no_memory and "tower-heavy" in settings:
         memory = memory_setting("tower-heavy", 4, args.quick, torch.get_num_threads())
         report_memory("tower-heavy", 4, memory)
