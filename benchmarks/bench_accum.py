@@ -25,7 +25,7 @@ free: RSS then follows torch's live allocations instead of malloc's cache.
 The timing process keeps freed memory in glibc's heap (``mallopt``: no mmap'd
 chunks, no trim), as torch's CUDA caching allocator keeps it on a GPU: with
 glibc's defaults a step's activations are unmapped when freed and faulted in
-again, zeroed, on the next step, which measured here 0.3 to 10 s of kernel time
+again, zeroed, on the next step, which measured here 0.5 to 10 s of kernel time
 per 12 s step, varying with the allocator's state rather than with the step.
 The header prints the page faults left in the timed steps (``--system-malloc``
 times with glibc's defaults).
