@@ -43,6 +43,7 @@ on models from our own factory, and the output says so.
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -192,8 +193,6 @@ def hold_freed_memory() -> bool:
 
 
 def page_faults() -> int:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -325,6 +324,10 @@ def parse_args():
     parser.add_argument("--json", default=None, help="also write the raw numbers to this file")
     parser.add_argument("--probe", nargs=3, metavar=("SETTING", "VARIANT", "K"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give an integer >= 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup}: give an integer >= 0")
     args.ks = args.ks or ([2, 4] if args.quick else [2, 4, 8])
     if args.quick:
         args.repeats = args.repeats or 1
