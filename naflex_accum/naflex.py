@@ -14,7 +14,7 @@ reference the pipeline is tested against).
 """
 import functools
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from timm.data.naflex_transforms import get_image_size_for_seq, patchify_image
@@ -84,26 +84,23 @@ def _normaliser(mean, std, repeat: int) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int = 16, flatten: bool = True,
-                   mean=IMAGE_MEAN, std=IMAGE_STD, shared: bool = False) -> Dict[str, torch.Tensor]:
+                   mean=IMAGE_MEAN, std=IMAGE_STD,
+                   alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one normalised, zero-padded NaFlex batch.
 
     One strided copy per image gathers its patches (row-major grid, channels-last
     patches) into the float batch, converting as it goes; the normalise, the mask
     and the coordinates are a few tensor ops for the whole batch. timm's
     ``NaFlexCollator`` would copy float patches one sample at a time instead.
-    ``shared`` allocates the batch in shared memory, as torch's ``default_collate``
-    does in a loader worker, so that sending it to the main process copies nothing.
+    ``alloc(numel)``, if given, supplies the float32 memory for the patches (a loader
+    worker's shared memory, so that sending the batch to the main process copies nothing).
     """
     import numpy as np
 
     p, n = patch_size, len(images)
     channels = images[0].shape[0]
     shape = (n, seq_len, p * p * channels)
-    if shared:
-        storage = torch.empty(0)._typed_storage()._new_shared(n * seq_len * p * p * channels)
-        patches = torch.empty(0).new(storage).view(shape)
-    else:
-        patches = torch.empty(shape)
+    patches = torch.empty(shape) if alloc is None else alloc(math.prod(shape)).view(shape)
     flat, counts, widths, row = patches.numpy(), [], [], p * channels
     for i, img in enumerate(images):
         pixels = img.numpy()  # numpy from here: its calls cost a fraction of torch's on these small arrays

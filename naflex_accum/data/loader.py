@@ -16,7 +16,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..errors import UsageError, check_int
-from .pipeline import TrainStream, ValStream, received
+from .handover import Receiver
+from .pipeline import TrainStream, ValStream
 from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import dataset_size, expand_sources, expand_urls, shard_weights
 
@@ -78,13 +79,13 @@ def _data_loader(dataset, workers: int, pin_memory: bool, persistent: bool = Fal
                                        persistent_workers=persistent, worker_init_fn=_ignore_stop_signals)
 
 
-def _iterate(dataset, workers: int, pin_memory: bool) -> Iterator:
+def _iterate(dataset, workers: int, pin_memory: bool, receive: Receiver) -> Iterator:
     """``(batch, meta)`` from the dataset, in this process or in workers; batches pinned if asked (and CUDA is)."""
     source = iter(_data_loader(dataset, workers, pin_memory)) if workers > 0 else iter(dataset)
     pin = pin_memory and torch.cuda.is_available()
     for batch, meta in source:
         if batch is not None:
-            batch = received(batch)
+            batch = receive(batch)
             # the DataLoader's pin thread has pinned the patches already (pin_memory keeps those as they are)
             batch = _pinned(batch) if pin else batch
         yield batch, meta
@@ -126,7 +127,8 @@ class TrainLoader:
         self.num_token_slots = tokens * cfg.world_size     # global batch_size * seq_len summed over the epoch
         # [epoch, start_batch]; in shared memory, so that persistent workers see set_epoch
         self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self._workers = None  # the persistent DataLoader, with pin_memory and workers
+        self._workers = None  # the persistent DataLoader, with pin_memory and workers, and its Receiver
+        self._receiver = None
         self.stats = _Counter("--train-data", 0).stats
 
     def __len__(self) -> int:
@@ -160,15 +162,18 @@ class TrainLoader:
         position = self._position.clone() if position is None else position
         return TrainStream(self.urls, self._plan, self.num_batches, position, cfg.rank, cfg.world_size,
                            cfg.workers, cfg.shuffle_buffer, self.tokenizer, bool(cfg.dataset_resampled),
-                           self.weights)
+                           self.weights, recycle=not (self.pin_memory and torch.cuda.is_available()))
 
     def _source(self) -> Iterator:
         workers = self.cfg.workers
         if not (self.pin_memory and workers > 0):
-            return _iterate(self.stream(), workers, self.pin_memory)
+            stream = self.stream()
+            return _iterate(stream, workers, self.pin_memory, Receiver(stream.flags))
         if self._workers is None:  # built once: its workers read the shared position at each epoch's start
-            self._workers = _data_loader(self.stream(self._position), workers, True, persistent=True)
-        return _iterate(self._workers, 0, True)
+            stream = self.stream(self._position)
+            self._workers = _data_loader(stream, workers, True, persistent=True)
+            self._receiver = Receiver(stream.flags)
+        return _iterate(self._workers, 0, True, self._receiver)
 
     def __iter__(self) -> Iterator[Dict]:
         return (batch for batch, _ in self.iter_meta())
@@ -226,7 +231,7 @@ class ValLoader:
         counter = _Counter("--val-data")
         self.stats = counter.stats
         stream = ValStream(self.urls, self.seq_len, self.batch_size, self.patch_size, self.tokenizer)
-        source = _iterate(stream, min(self.workers, len(self.urls)), self.pin_memory)
+        source = _iterate(stream, min(self.workers, len(self.urls)), self.pin_memory, Receiver())
         try:
             for batch, meta in source:
                 if batch is None and "error" in meta:

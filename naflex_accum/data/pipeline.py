@@ -15,6 +15,7 @@ exactly the keys the model takes, and ``meta`` carries the index and this
 batch's counts (samples, image tokens, corrupt samples and their messages) back
 to the main process. A ``UsageError`` in a worker is sent back as
 ``(None, {"error": message})`` so the main process can raise it as one clean line.
+How a worker's batches reach the main process (recycled shared memory) is ``handover``'s.
 """
 import random
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -23,6 +24,7 @@ import torch
 
 from ..errors import UsageError
 from ..naflex import collate_images, resize_for_seq
+from .handover import WorkerSlots, fresh_shared, new_flags, pack
 from .images import decode_rgb, inspect
 from .samples import Corruption, RawSample, sample_stream, shard_samples, shuffled
 from .schedule import BatchSpec, Schedule, derive_seed
@@ -70,10 +72,9 @@ def skip_samples(samples: Iterator[RawSample], count: int, report: Corruption, f
 
 
 def make_batch(images: List[torch.Tensor], captions: List[str], seq_len: int, patch_size: int, flatten: bool,
-               tokenize: Callable) -> Dict:
-    in_worker = torch.utils.data.get_worker_info() is not None
-    return {"image": collate_images(images, seq_len, patch_size, flatten, shared=in_worker),
-            "text": tokenize(captions)}
+               tokenize: Callable, alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict:
+    """The model's batch; ``alloc`` supplies the patches' memory (a worker's shared memory), else a new tensor."""
+    return {"image": collate_images(images, seq_len, patch_size, flatten, alloc=alloc), "text": tokenize(captions)}
 
 
 def batch_meta(index: int, batch: Dict, report: Corruption) -> Dict:
@@ -81,32 +82,6 @@ def batch_meta(index: int, batch: Dict, report: Corruption) -> Dict:
     valid = batch["image"]["patch_valid"]
     return {"index": index, "samples": int(valid.shape[0]), "image_tokens": int(valid.sum()),
             "corrupt": corrupt, "messages": messages}
-
-
-def for_transfer(item: Tuple[Optional[Dict], Dict]) -> Tuple[Optional[Dict], Dict]:
-    """In a loader worker: the batch's small tensors as numpy arrays, which travel inside the pickled message.
-
-    Only the patches (already in shared memory) go through torch's file-descriptor passing, whose
-    authenticated hand-over per tensor costs both processes more than the pipe does for these few kilobytes.
-    ``received`` in the main process turns them back into tensors without a copy.
-    """
-    batch, meta = item
-    if batch is None:
-        return item
-    image = batch["image"]
-    image = {**image, "patch_coord": image["patch_coord"].numpy(), "patch_valid": image["patch_valid"].numpy()}
-    return {"image": image, "text": batch["text"].numpy()}, meta
-
-
-def received(batch: Dict) -> Dict:
-    """A batch as a worker sent it (``for_transfer``), with tensors again: ``torch.from_numpy`` shares the memory."""
-    import numpy as np
-
-    def tensor(value):
-        if isinstance(value, dict):
-            return {key: tensor(v) for key, v in value.items()}
-        return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
-    return tensor(batch)
 
 
 def _worker() -> Tuple[int, Optional[int]]:
@@ -118,17 +93,22 @@ class TrainStream(torch.utils.data.IterableDataset):
     """One epoch of one rank's batches; in a DataLoader worker, that worker's share of them.
 
     ``position`` is an int64 tensor ``[epoch, start_batch]``, read at each ``iter``: in
-    shared memory it lets persistent workers follow ``TrainLoader.set_epoch``.
+    shared memory it lets persistent workers follow ``TrainLoader.set_epoch``. With
+    ``recycle`` workers write patches into recycled shared-memory slots (``handover``)
+    whose busy ``flags`` the main process's ``Receiver`` clears; without it, into fresh
+    shared memory per batch (for pinned loaders, whose pin thread copies each batch out).
     """
 
     def __init__(self, urls: Sequence[str], plan: Schedule, num_batches: int, position: torch.Tensor, rank: int,
                  world_size: int, workers: int, shuffle_buffer: int, tokenizer: Callable,
-                 resampled: bool = False, weights: Optional[Sequence[float]] = None):
+                 resampled: bool = False, weights: Optional[Sequence[float]] = None, recycle: bool = True):
         super().__init__()
         self.urls, self.plan, self.num_batches, self.position = list(urls), plan, num_batches, position
         self.rank, self.world_size, self.workers = rank, world_size, max(1, workers)
         self.shuffle_buffer, self.tokenize = shuffle_buffer, BatchTokenizer(tokenizer)
         self.resampled, self.weights = resampled, weights
+        self.flags, self.recycle = new_flags(self.workers), recycle
+        self._slots = None  # this worker's WorkerSlots, made in the worker, kept while it lives
 
     @property
     def epoch(self) -> int:
@@ -139,9 +119,15 @@ class TrainStream(torch.utils.data.IterableDataset):
         if seen is not None and seen != self.workers:
             raise RuntimeError(f"TrainStream built for {self.workers} workers runs in a DataLoader with {seen}")
         epoch, start = (int(x) for x in self.position)
-        send = for_transfer if seen is not None else (lambda item: item)
+        alloc, send = None, (lambda item: item)
+        if seen is not None and not self.recycle:
+            alloc, send = fresh_shared, pack
+        elif seen is not None:
+            if self._slots is None:
+                self._slots = WorkerSlots(self.flags, worker)
+            alloc, send = self._slots.alloc, self._slots.pack
         try:
-            for item in self._batches(worker, epoch, start):
+            for item in self._batches(worker, epoch, start, alloc):
                 yield send(item)
         except UsageError as exc:
             yield None, {"error": str(exc)}
@@ -159,7 +145,8 @@ class TrainStream(torch.utils.data.IterableDataset):
         rng = random.Random(derive_seed("samples", seed, epoch, self.rank, worker))
         return shuffled(raw, self.shuffle_buffer, rng)
 
-    def _batches(self, worker: int, epoch: Optional[int] = None, start: int = 0):
+    def _batches(self, worker: int, epoch: Optional[int] = None, start: int = 0,
+                 alloc: Optional[Callable[[int], torch.Tensor]] = None):
         epoch = self.epoch if epoch is None else epoch
         specs = self.plan.epoch(epoch, self.num_batches)
         report = Corruption()
@@ -172,7 +159,7 @@ class TrainStream(torch.utils.data.IterableDataset):
                 continue
             images, captions = decode_samples(samples, spec.batch_size, spec.seq_len, spec.patch_size,
                                               report, "--train-data")
-            batch = make_batch(images, captions, spec.seq_len, spec.patch_size, flatten, self.tokenize)
+            batch = make_batch(images, captions, spec.seq_len, spec.patch_size, flatten, self.tokenize, alloc)
             yield batch, batch_meta(index, batch, report)
 
 
@@ -195,9 +182,10 @@ class ValStream(torch.utils.data.IterableDataset):
                                                   report, "--val-data")
                 if not images:
                     break
-                batch = make_batch(images, captions, self.seq_len, self.patch_size, True, self.tokenize)
+                batch = make_batch(images, captions, self.seq_len, self.patch_size, True, self.tokenize,
+                                   fresh_shared if workers else None)
                 item = batch, batch_meta(index, batch, report)
-                yield for_transfer(item) if workers else item
+                yield pack(item) if workers else item
                 index += workers or 1
         except UsageError as exc:
             yield None, {"error": str(exc)}

@@ -1,0 +1,114 @@
+"""Worker -> main process hand-over through recycled shared-memory slots: a batch still held is never overwritten."""
+import pytest
+import torch
+from torch.utils.data._utils.pin_memory import pin_memory
+
+from naflex_accum.data import handover, make_train_loader
+from test_data_common import CharTokenizer, config, demo
+
+torch.set_num_threads(1)
+KEYS = ("patches", "patch_coord", "patch_valid")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return demo(tmp_path_factory.mktemp("handover"), num=160).train
+
+
+def _sender(slots, receive):
+    def send(values):
+        out = slots.alloc(values.numel())
+        out.copy_(values.flatten())
+        n = values.shape[0]
+        batch = {"image": {"patches": out.view(values.shape), "patch_coord": torch.zeros(n, 2, dtype=torch.long),
+                           "patch_valid": torch.ones(n, dtype=torch.bool)}, "text": torch.zeros(n, 3, dtype=torch.long)}
+        packed, meta = slots.pack((batch, {"index": 0}))
+        return packed["image"]["patches"], receive(packed)["image"]["patches"]
+    return send
+
+
+def test_a_slot_is_reused_only_when_no_tensor_is_over_it(monkeypatch):
+    monkeypatch.setattr(handover, "MAX_SLOTS", 3)
+    flags = handover.new_flags(1)
+    send = _sender(handover.WorkerSlots(flags, 0), handover.Receiver(flags))
+    ref, a = send(torch.full((2, 3), 1.0))
+    assert isinstance(ref, handover.SlotRef) and ref.slot == 0 and ref.memory is not None
+    assert pin_memory(ref) is ref  # the DataLoader's pin thread leaves the slot's memory alone
+    ref, b = send(torch.full((2, 3), 2.0))
+    assert ref.slot == 1  # slot 0 is held by `a`
+    view = a[1]
+    del a
+    ref, c = send(torch.full((2, 3), 3.0))
+    assert ref.slot == 2  # a view alone keeps slot 0
+    del view, b
+    ref, d = send(torch.full((2, 3), 4.0))
+    assert (ref.slot, ref.generation, ref.memory) == (0, 0, None)  # reused; its memory is not sent again
+    ref, e = send(torch.full((4, 3), 5.0))
+    assert (ref.slot, ref.generation) == (1, 1) and ref.memory is not None  # free but too small: it grew
+    ref, f = send(torch.full((2, 3), 6.0))
+    assert not isinstance(ref, handover.SlotRef)  # every slot held: fresh shared memory, as before
+    assert [float(t.mean()) for t in (c, d, e, f)] == [3.0, 4.0, 5.0, 6.0]
+    assert list(flags[0].tolist()) == [1, 1, 1]
+    del c, d, e
+    assert list(flags[0].tolist()) == [0, 0, 0]
+
+
+def _expected(loader):
+    """The epoch's batches by index, built in this process as each worker builds its share."""
+    out = {}
+    for worker in range(loader.cfg.workers):
+        for batch, meta in loader.stream()._batches(worker):
+            out[meta["index"]] = batch
+    return [out[i] for i in range(len(out))]
+
+
+def _equal(a, b):
+    return torch.equal(a["text"], b["text"]) and all(torch.equal(a["image"][k], b["image"][k]) for k in KEYS)
+
+
+@pytest.mark.parametrize("max_slots", [2, 16])
+def test_batches_held_to_the_end_of_the_epoch_keep_their_values(shards, monkeypatch, max_slots):
+    monkeypatch.setattr(handover, "MAX_SLOTS", max_slots)  # 2: slots fill, then fresh memory takes over
+    loader = make_train_loader(config(shards, workers=2, num_samples=150), CharTokenizer())
+    held = list(loader)
+    expected = _expected(loader)
+    assert len(held) == len(expected) > 2 * 2  # more than two workers' two slots
+    assert all(_equal(a, b) for a, b in zip(held, expected))
+
+
+def test_released_slots_are_reused_and_views_keep_theirs(shards, monkeypatch):
+    monkeypatch.setattr(handover, "MAX_SLOTS", 3)
+    reused = []
+    patches = handover.Receiver.patches
+
+    def counting(self, ref):
+        reused.append(ref.memory is None)
+        return patches(self, ref)
+    monkeypatch.setattr(handover.Receiver, "patches", counting)
+    loader = make_train_loader(config(shards, workers=2, num_samples=300), CharTokenizer())
+    copies, views = [], {}
+    for i, batch in enumerate(loader):
+        copies.append({"text": batch["text"].clone(), "image": {k: v.clone() for k, v in batch["image"].items()}})
+        if i in (1, 4):
+            views[i] = batch["image"]["patches"][1:]  # as a training loop keeping a slice would
+        del batch
+    expected = _expected(loader)
+    assert len(copies) == len(expected) > 4 * 2 * 3
+    assert all(_equal(a, b) for a, b in zip(copies, expected))
+    assert all(torch.equal(view, expected[i]["image"]["patches"][1:]) for i, view in views.items())
+    assert sum(reused) >= len(expected) // 2  # most batches travelled as a slot number, not as new memory
+
+
+def test_without_recycling_batches_travel_in_fresh_memory(shards, monkeypatch):
+    # what a pinned (CUDA) loader's workers do: its pin thread copies each batch out at once
+    from naflex_accum.data.loader import _iterate
+
+    received = []
+    monkeypatch.setattr(handover.Receiver, "patches", lambda self, ref: received.append(ref))
+    loader = make_train_loader(config(shards, workers=2, num_samples=150), CharTokenizer())
+    stream = loader.stream()
+    stream.recycle = False
+    batches = {meta["index"]: batch for batch, meta in _iterate(stream, 2, False, handover.Receiver(stream.flags))}
+    expected = _expected(loader)
+    assert received == [] and sorted(batches) == list(range(len(expected)))
+    assert all(_equal(batches[i], b) for i, b in enumerate(expected))
