@@ -22,7 +22,7 @@ def _sender(slots, receive):
         n = values.shape[0]
         batch = {"image": {"patches": out.view(values.shape), "patch_coord": torch.zeros(n, 2, dtype=torch.long),
                            "patch_valid": torch.ones(n, dtype=torch.bool)}, "text": torch.zeros(n, 3, dtype=torch.long)}
-        packed, meta = slots.pack((batch, {"index": 0}))
+        packed, _ = slots.pack((batch, {"index": 0}))
         return packed["image"]["patches"], receive(packed)["image"]["patches"]
     return send
 

@@ -11,13 +11,15 @@ slot's memory crosses to the main process once (torch's file-descriptor
 hand-over), with its first batch; later batches in it travel as a few numbers.
 A worker whose slots are all held writes the batch into fresh shared memory, as
 before; so do the workers of a pinned (CUDA) loader, whose pin thread copies each
-batch out at once, off the training thread (a slot would move that copy onto it). Either way the main process gets the same keys, values, dtypes and
-shapes, and the small tensors (coordinates, mask, tokens) ride in the pickled
-message as numpy arrays.
+batch out at once, off the training thread (a slot would move that copy onto it).
+Either way the main process gets the same keys, values, dtypes and shapes, and
+the small tensors (coordinates, mask, tokens) ride in the pickled message as numpy arrays.
 
 Why: a fresh 6 MB shared-memory batch per step costs its worker ~1,500 page
 faults and an authenticated descriptor hand-over, and the main process as many
-faults again when it reads the patches; a recycled slot costs neither.
+faults again when it reads the patches; a recycled slot costs neither. The cost:
+each worker's slots stay mapped while it lives, usually 3-4 batches' worth
+(prefetched batches, the one being built, those the trainer holds).
 """
 from typing import Dict, List, Optional, Set, Tuple
 
