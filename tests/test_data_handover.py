@@ -56,7 +56,7 @@ def test_a_slot_is_reused_only_when_no_tensor_is_over_it(monkeypatch):
 def _expected(loader):
     """The epoch's batches by index, built in this process as each worker builds its share."""
     out = {}
-    for worker in range(loader.cfg.workers):
+    for worker in range(max(1, loader.cfg.workers)):
         for batch, meta in loader.stream()._batches(worker):
             out[meta["index"]] = batch
     return [out[i] for i in range(len(out))]
@@ -66,17 +66,18 @@ def _equal(a, b):
     return torch.equal(a["text"], b["text"]) and all(torch.equal(a["image"][k], b["image"][k]) for k in KEYS)
 
 
-@pytest.mark.parametrize("max_slots", [2, 16])
-def test_batches_held_to_the_end_of_the_epoch_keep_their_values(shards, monkeypatch, max_slots):
+@pytest.mark.parametrize("workers,max_slots", [(2, 2), (2, 16), (0, 2)])
+def test_batches_held_to_the_end_of_the_epoch_keep_their_values(shards, monkeypatch, workers, max_slots):
     monkeypatch.setattr(handover, "MAX_SLOTS", max_slots)  # 2: slots fill, then fresh memory takes over
-    loader = make_train_loader(config(shards, workers=2, num_samples=150), CharTokenizer())
+    loader = make_train_loader(config(shards, workers=workers, num_samples=150), CharTokenizer())
     held = list(loader)
     expected = _expected(loader)
     assert len(held) == len(expected) > 2 * 2  # more than two workers' two slots
     assert all(_equal(a, b) for a, b in zip(held, expected))
 
 
-def test_released_slots_are_reused_and_views_keep_theirs(shards, monkeypatch):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_released_slots_are_reused_and_views_keep_theirs(shards, monkeypatch, workers):
     monkeypatch.setattr(handover, "MAX_SLOTS", 3)
     reused = []
     patches = handover.Receiver.patches
@@ -85,7 +86,7 @@ def test_released_slots_are_reused_and_views_keep_theirs(shards, monkeypatch):
         reused.append(ref.memory is None)
         return patches(self, ref)
     monkeypatch.setattr(handover.Receiver, "patches", counting)
-    loader = make_train_loader(config(shards, workers=2, num_samples=300), CharTokenizer())
+    loader = make_train_loader(config(shards, workers=workers, num_samples=300), CharTokenizer())
     copies, views = [], {}
     for i, batch in enumerate(loader):
         copies.append({"text": batch["text"].clone(), "image": {k: v.clone() for k, v in batch["image"].items()}})
@@ -94,6 +95,7 @@ def test_released_slots_are_reused_and_views_keep_theirs(shards, monkeypatch):
         del batch
     expected = _expected(loader)
     assert len(copies) == len(expected) > 4 * 2 * 3
+    assert not loader.pin_memory  # a pinned loader does not recycle (see the last test)
     assert all(_equal(a, b) for a, b in zip(copies, expected))
     assert all(torch.equal(view, expected[i]["image"]["patches"][1:]) for i, view in views.items())
     assert sum(reused) >= len(expected) // 2  # most batches travelled as a slot number, not as new memory
@@ -107,6 +109,7 @@ def test_without_recycling_batches_travel_in_fresh_memory(shards, monkeypatch):
     monkeypatch.setattr(handover.Receiver, "patches", lambda self, ref: received.append(ref))
     loader = make_train_loader(config(shards, workers=2, num_samples=150), CharTokenizer())
     stream = loader.stream()
+    assert stream.recycle
     stream.recycle = False
     batches = {meta["index"]: batch for batch, meta in _iterate(stream, 2, False, handover.Receiver(stream.flags))}
     expected = _expected(loader)

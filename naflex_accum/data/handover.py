@@ -15,9 +15,13 @@ batch out at once, off the training thread (a slot would move that copy onto it)
 Either way the main process gets the same keys, values, dtypes and shapes, and
 the small tensors (coordinates, mask, tokens) ride in the pickled message as numpy arrays.
 
+With 0 workers the main process builds its batches in slots of its own the same
+way (``WorkerSlots`` for worker 0, packed and received in one process).
+
 Why: a fresh 6 MB shared-memory batch per step costs its worker ~1,500 page
 faults and an authenticated descriptor hand-over, and the main process as many
-faults again when it reads the patches; a recycled slot costs neither. The cost:
+faults again when it reads the patches; a recycled slot costs neither (nor, with
+0 workers, the faults of a new 6 MB allocation per batch). The cost:
 each worker's slots stay mapped while it lives, usually 3-4 batches' worth
 (prefetched batches, the one being built, those the trainer holds).
 """

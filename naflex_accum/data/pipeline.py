@@ -94,14 +94,15 @@ class TrainStream(torch.utils.data.IterableDataset):
 
     ``position`` is an int64 tensor ``[epoch, start_batch]``, read at each ``iter``: in
     shared memory it lets persistent workers follow ``TrainLoader.set_epoch``. With
-    ``recycle`` workers write patches into recycled shared-memory slots (``handover``)
-    whose busy ``flags`` the main process's ``Receiver`` clears; without it, into fresh
-    shared memory per batch (for pinned loaders, whose pin thread copies each batch out).
+    ``recycle`` (what ``TrainLoader`` asks for unless it pins) patches go into recycled
+    shared-memory slots (``handover``), in a worker or in this process alike, and what
+    it yields must go through a ``handover.Receiver`` over ``flags``; without it workers
+    write each batch into fresh shared memory, and in this process batches are plain.
     """
 
     def __init__(self, urls: Sequence[str], plan: Schedule, num_batches: int, position: torch.Tensor, rank: int,
                  world_size: int, workers: int, shuffle_buffer: int, tokenizer: Callable,
-                 resampled: bool = False, weights: Optional[Sequence[float]] = None, recycle: bool = True):
+                 resampled: bool = False, weights: Optional[Sequence[float]] = None, recycle: bool = False):
         super().__init__()
         self.urls, self.plan, self.num_batches, self.position = list(urls), plan, num_batches, position
         self.rank, self.world_size, self.workers = rank, world_size, max(1, workers)
@@ -119,13 +120,14 @@ class TrainStream(torch.utils.data.IterableDataset):
         if seen is not None and seen != self.workers:
             raise RuntimeError(f"TrainStream built for {self.workers} workers runs in a DataLoader with {seen}")
         epoch, start = (int(x) for x in self.position)
-        alloc, send = None, (lambda item: item)
-        if seen is not None and not self.recycle:
-            alloc, send = fresh_shared, pack
-        elif seen is not None:
+        if self.recycle:
             if self._slots is None:
                 self._slots = WorkerSlots(self.flags, worker)
             alloc, send = self._slots.alloc, self._slots.pack
+        elif seen is not None:
+            alloc, send = fresh_shared, pack
+        else:
+            alloc, send = None, (lambda item: item)
         try:
             for item in self._batches(worker, epoch, start, alloc):
                 yield send(item)
