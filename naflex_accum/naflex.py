@@ -92,8 +92,9 @@ def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int
     patches) into the float batch, converting as it goes; the normalise, the mask
     and the coordinates are a few tensor ops for the whole batch. timm's
     ``NaFlexCollator`` would copy float patches one sample at a time instead.
-    ``alloc(numel)``, if given, supplies the float32 memory for the patches (a loader
-    worker's shared memory, so that sending the batch to the main process copies nothing).
+    ``alloc(numel)``, if given, supplies the float32 memory for the patches (shared
+    memory, so that handing the batch from a loader worker to the main process copies
+    nothing; a recycled slot, see ``data.handover``).
     """
     import numpy as np
 

@@ -73,7 +73,7 @@ def skip_samples(samples: Iterator[RawSample], count: int, report: Corruption, f
 
 def make_batch(images: List[torch.Tensor], captions: List[str], seq_len: int, patch_size: int, flatten: bool,
                tokenize: Callable, alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict:
-    """The model's batch; ``alloc`` supplies the patches' memory (a worker's shared memory), else a new tensor."""
+    """The model's batch; ``alloc`` supplies the patches' memory (shared memory, ``handover``), else a new tensor."""
     return {"image": collate_images(images, seq_len, patch_size, flatten, alloc=alloc), "text": tokenize(captions)}
 
 
