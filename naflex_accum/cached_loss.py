@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .step import AccumulationStep, total_loss
+from .step import AccumulationStep
 
 
 @dataclass
@@ -25,7 +25,7 @@ class CachedLossState:
     feature_grads: Dict[str, List[torch.Tensor]]  # key -> one gradient slice per microbatch
     logit_grads: Dict[str, torch.Tensor]
     factors: List[float]  # what each microbatch's slices are still to be multiplied by
-    result: Tuple[Any, Any]
+    result: Tuple[Any, Any, Any]  # (losses, report, the generation the task spoke)
 
 
 def _uniform(values: List[float]) -> Optional[float]:
@@ -43,9 +43,8 @@ class CachedLossStep(AccumulationStep):
         lengths = {key: cache.lengths(key) for key in leaves}
         cache.features.clear()  # the concatenations hold the values now
         with autocast():
-            losses, report = task.compute_accum_loss(dict(inputs), dict(logits), list(accum_batches))
-            loss = total_loss(losses)
-            losses["loss"] = loss
+            losses, report, spoken = self.accum_loss(task, dict(inputs), dict(logits), list(accum_batches))
+            loss = losses["loss"]
         del inputs
         factors = [self.replay_scale(window, j) for j in range(len(accum_batches))]
         common = _uniform(factors)
@@ -60,7 +59,7 @@ class CachedLossStep(AccumulationStep):
         feature_grads = {key: g.split(lengths[key]) for key, g in zip(leaves, grads) if g is not None}
         logit_grads = {key: g for key, g in zip(logits, grads[len(leaves):]) if g is not None}
         return CachedLossState(feature_grads, logit_grads, [1.0] * len(factors) if common is not None else factors,
-                               (losses, report))
+                               (losses, report, spoken))
 
     def backward_microbatch(self, task, window, state, j, model_out, final, scaler, autocast):
         factor = state.factors[j]

@@ -16,9 +16,9 @@ from .errors import UsageError
 DEFAULT_MODE = "cached-loss"
 MODES = ("cached-loss", "replay")
 ENV_VAR = "NAFLEX_ACCUM_MODE"
-# mode -> (module, function); looked up at call time, so the step is imported only when used.
-STEPS = {"cached-loss": ("naflex_accum.cached_loss", "cached_loss_step"),
-         "replay": ("naflex_accum.replay", "replay_step")}
+# mode -> (module, function, class); looked up at call time, so the step is imported only when used.
+STEPS = {"cached-loss": ("naflex_accum.cached_loss", "cached_loss_step", "CachedLossStep"),
+         "replay": ("naflex_accum.replay", "replay_step", "ReplayStep")}
 
 
 def resolve_mode(mode: str = None) -> str:
@@ -31,6 +31,12 @@ def resolve_mode(mode: str = None) -> str:
 
 
 def get_step(mode: str = None):
-    """The step function of ``mode`` (``None``: $NAFLEX_ACCUM_MODE, else the default)."""
-    module, name = STEPS[resolve_mode(mode)]
+    """The step function of ``mode`` (``None``: $NAFLEX_ACCUM_MODE, else the default); it follows the task's contract."""
+    module, name, _ = STEPS[resolve_mode(mode)]
     return getattr(importlib.import_module(module), name)
+
+
+def make_step(mode: str = None, contract=None):
+    """A step of ``mode`` bound to ``contract`` (a ``contract.Contract``; ``None`` follows the task)."""
+    module, _, cls = STEPS[resolve_mode(mode)]
+    return getattr(importlib.import_module(module), cls)(contract)

@@ -7,10 +7,15 @@
 Invariant: ARGS reach ``open_clip_train.main.main`` unchanged, and only once
 the patch is in place in this process (every torchrun rank installs its own);
 an open_clip that lacks the step being replaced (3.3.0 from PyPI has no NaFlex
-training) stops here with exit 2 and one line, before any work starts. The run
-folder says that the fix ran and in which mode: ``params.txt`` holds a
-``naflex_accum`` entry and ``out.log`` a line from ``naflex_accum.openclip``,
-whatever level logging is set to.
+training), or whose contract fits no generation the fix knows, stops here with
+exit 2 and one line, before any work starts. Before the run folder exists,
+right after upstream sets up its process group, every rank audits the step on
+this run's task (``selfcheck``; ``NAFLEX_ACCUM_VERIFY=0`` skips it) and all stop,
+exit 2, if any failed. The run folder says that the fix ran, in which mode, on
+which upstream (version, contract, fingerprint) and with which verdict:
+``params.txt`` holds ``naflex_accum*`` entries and ``out.log`` lines from
+``naflex_accum.openclip``, whatever level logging is set to. A step that
+refuses its input (``scales.StepError``) ends the run with its one line, exit 2.
 """
 import contextlib
 import importlib
@@ -34,8 +39,9 @@ def _refusal(exc) -> str:
                 f"missing; it is in upstream open_clip main, 4.x dev): use `naflex-accum train`, which works "
                 f"with any open_clip, or install open_clip from its git checkout.")
     return (f"open_clip_torch {exc.version} cannot take the fix: expected {exc.expected}, found {exc.found}. "
-            f"This runner needs upstream open_clip main with NaFlex training (pip install it from its git "
-            f"checkout); `naflex-accum train` works with any open_clip.")
+            f"This runner needs upstream open_clip main with NaFlex training in a contract it knows (pip install "
+            f"a verified commit from its git checkout; see `naflex-accum verify`); `naflex-accum train` works with "
+            f"any open_clip.")
 
 
 def _exit_code(result) -> int:
@@ -69,35 +75,62 @@ def _log_unfiltered(message: str) -> None:
         handler.handle(record)
 
 
+def _checked(args, mode: str, lines: list) -> None:
+    """The self-check of this run (every rank), its lines kept for out.log and said on stderr by rank 0."""
+    from .patch import _rank
+    from .selfcheck import check_run
+
+    lines.extend(check_run(args, mode))
+    if _rank() == 0:
+        print(f"naflex-accum: {' | '.join(lines[1:])}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def _recorded_in_run_folder(module, mode: str, line: str):
-    """While upstream's ``main`` runs, make its run folder record the fix.
+    """While upstream's ``main`` runs, check the run before it trains and make its run folder record the fix.
 
-    Upstream's ``main`` parses its args, opens ``out.log`` (``setup_logging``,
-    after the run folder exists) and writes ``params.txt`` from ``vars(args)``,
-    looking both functions up in its module at call time. Wrapping them for the
-    run adds ``args.naflex_accum`` and one ``out.log`` line right after logging
-    is set up; an upstream without them runs unchanged (the install line still
-    goes to stderr). Each is put back afterwards while it is still ours.
+    Upstream's ``main`` parses its args, sets up its process group
+    (``init_distributed_device``), then creates the run folder, opens ``out.log``
+    (``setup_logging``) and writes ``params.txt`` from ``vars(args)``, looking
+    each function up in its module at call time. Wrapping them for the run adds
+    ``args.naflex_accum``, runs the self-check once the ranks can agree (on an
+    upstream without that function, right after parsing), and logs the record
+    right after logging is set up; an upstream without them runs unchanged (the
+    install line still goes to stderr). Each is put back afterwards while it is
+    still ours.
     """
     from . import __version__
+
+    lines = [f"naflex-accum {__version__}: {line}"]
+    check_in_parse = not callable(getattr(module, "init_distributed_device", None))
 
     def recorded_args(parse_args):
         def parse_args_recorded(*args, **kwargs):
             parsed = parse_args(*args, **kwargs)
             setattr(parsed, RECORD_KEY, f"{mode} (naflex-accum {__version__})")
+            if check_in_parse:
+                _checked(parsed, mode, lines)
             return parsed
         return parse_args_recorded
+
+    def checked(init_distributed_device):
+        def init_distributed_device_checked(args, *rest, **kwargs):
+            device = init_distributed_device(args, *rest, **kwargs)
+            _checked(args, mode, lines)
+            return device
+        return init_distributed_device_checked
 
     def logged(setup_logging):
         def setup_logging_recorded(*args, **kwargs):
             result = setup_logging(*args, **kwargs)
-            _log_unfiltered(f"naflex-accum {__version__}: {line}")
+            for text in lines:
+                _log_unfiltered(text)
             return result
         return setup_logging_recorded
 
     swapped = {}
-    for name, wrap in (("parse_args", recorded_args), ("setup_logging", logged)):
+    for name, wrap in (("parse_args", recorded_args), ("init_distributed_device", checked),
+                       ("setup_logging", logged)):
         original = getattr(module, name, None)
         if callable(original):
             swapped[name] = (original, wrap(original))
@@ -114,8 +147,11 @@ def run(argv: Sequence[str]) -> int:
     """Install the patch, then hand ``argv`` to upstream's ``main``; ``UsageError`` if it cannot start."""
     from .modes import resolve_mode
     from .patch import PatchError, describe, patched
+    from .scales import StepError
+    from .selfcheck import enabled
 
     mode = resolve_mode()  # $NAFLEX_ACCUM_MODE, else the default; a bad value stops here
+    enabled()  # a bad $NAFLEX_ACCUM_VERIFY too
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(patched(mode=mode))
@@ -123,7 +159,10 @@ def run(argv: Sequence[str]) -> int:
             raise UsageError(_refusal(exc)) from None
         module = _upstream_main_module()
         stack.enter_context(_recorded_in_run_folder(module, mode, describe(mode)))
-        return _exit_code(module.main(list(argv)))
+        try:
+            return _exit_code(module.main(list(argv)))
+        except StepError as exc:  # the step's own one-line refusal, raised deep inside upstream's loop
+            raise UsageError(f"the accumulation step stopped the run: {' '.join(str(exc).split())}") from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:

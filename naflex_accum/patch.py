@@ -1,12 +1,15 @@
 """Install the fixed accumulation step into upstream open_clip main, and take it out again.
 
 Invariant: ``open_clip_train.train._train_step_eager`` is replaced only after
-the installed open_clip is checked against the contract the fix was written
-for (the attribute exists and takes exactly ``(task, batch, accum_state,
-optimizer, scaler, autocast, args)``), or when the caller forces it; the
-replacement carries the original as ``__wrapped__``; ``uninstall()`` puts the
-original back only while the attribute is still ours, so it never undoes
-someone else's patch. Importing this module patches nothing.
+the installed open_clip is checked against a contract generation the fix knows
+(the attribute exists and takes exactly ``(task, batch, accum_state,
+optimizer, scaler, autocast, args)``, and ``probe.probe`` finds one generation
+in every part the step relies on), or when the caller forces it; the installed
+step speaks the generation found (forced: whatever each task result's form
+says); the replacement carries the original as ``__wrapped__``;
+``uninstall()`` puts the original back only while the attribute is still
+ours, so it never undoes someone else's patch. Importing this module patches
+nothing.
 
 Replacing the module attribute is enough: upstream's ``train_one_epoch`` looks
 ``_train_step_eager`` up in its module globals at every call.
@@ -21,7 +24,7 @@ import threading
 import warnings
 from typing import Callable, Optional
 
-from .modes import get_step, resolve_mode
+from .modes import get_step, make_step, resolve_mode
 
 TARGET_MODULE = "open_clip_train.train"
 TARGET_NAME = "_train_step_eager"
@@ -38,14 +41,18 @@ _lock = threading.RLock()
 _announced = False
 
 
+CONTRACTS = ("the task contract of upstream open_clip main from 2026-05-22 (losses alone) or from 2026-06-14 "
+             "((losses, report))")
+
+
 class PatchError(RuntimeError):
     """The installed open_clip is not the one the patch was written for (one-line message)."""
 
-    def __init__(self, version: str, found: str):
-        self.version, self.expected, self.found = version, EXPECTED, found
+    def __init__(self, version: str, found: str, expected: str = EXPECTED):
+        self.version, self.expected, self.found = version, expected, found
         self.missing = found == MISSING
         super().__init__(
-            f"open_clip_torch {version}: cannot patch {TARGET}: expected {EXPECTED} (upstream open_clip "
+            f"open_clip_torch {version}: cannot patch {TARGET}: expected {expected} (upstream open_clip "
             f"main, 4.x dev, with NaFlex training), found {found}. {ANY_OPEN_CLIP}; "
             f"install(force=True) patches anyway.")
 
@@ -106,15 +113,41 @@ def is_installed() -> bool:
     return module is not None and is_ours(getattr(module, TARGET_NAME, None))
 
 
-def _make_replacement(original, step: Callable) -> Callable:
+def _make_replacement(original, step: Callable, name: str, found) -> Callable:
     def _train_step_eager(task, batch, accum_state, optimizer, scaler, autocast, args):
         return step(task, batch, accum_state, optimizer, scaler, autocast, args)
 
-    _train_step_eager.__doc__ = step.__doc__
+    _train_step_eager.__doc__ = f"naflex_accum.{name}, speaking {describe_contract(step.contract)}."
     setattr(_train_step_eager, OWNER_MARK, True)
+    _train_step_eager.step, _train_step_eager.probe = step, found
     if original is not None:
         _train_step_eager.__wrapped__ = original
     return _train_step_eager
+
+
+def describe_contract(contract) -> str:
+    return contract.describe() if contract is not None else "whichever contract each task result's form shows (forced)"
+
+
+def probe_contract(module, original):
+    """What contract ``original`` (upstream's step in ``module``) and upstream's tasks have here (``probe.Probe``)."""
+    from .probe import probe
+
+    return probe(module, original)
+
+
+def original_step():
+    """Upstream's own step as installed (under ours, the one ours replaced); None when there is none."""
+    module = sys.modules.get(TARGET_MODULE)
+    current = getattr(module, TARGET_NAME, None) if module is not None else None
+    return getattr(current, "__wrapped__", None) if is_ours(current) else current
+
+
+def installed_step():
+    """The step object behind the installed replacement (``.contract`` says what it speaks), or None."""
+    module = sys.modules.get(TARGET_MODULE)
+    current = getattr(module, TARGET_NAME, None) if module is not None else None
+    return current.step if is_ours(current) else None
 
 
 def _rank() -> int:
@@ -150,31 +183,47 @@ def _announce(message: str) -> None:
 
 def describe(mode: Optional[str] = None) -> str:
     """What ``install(mode=mode)`` puts in place, in one line (for logs and run records)."""
+    step = installed_step()
+    spoken = f"; {describe_contract(step.contract)}" if step is not None else ""
     return (f"{TARGET} replaced by naflex_accum.{get_step(mode).__name__} (accumulation mode "
-            f"{resolve_mode(mode)}: one loss scale per accumulation window; open_clip_torch {open_clip_version()})")
+            f"{resolve_mode(mode)}: one loss scale per accumulation window; open_clip_torch {open_clip_version()}"
+            f"{spoken})")
 
 
-def install(force: bool = False, mode: Optional[str] = None) -> Callable:
+def _check(module, current, force: bool, contract):
+    """The contract to install for (``None``: follow the task), and the probe that found it; raises PatchError."""
+    problem, found = contract_problem(current), None
+    expected = EXPECTED
+    if problem is None and contract is None:
+        found = probe_contract(module, current)
+        problem, contract, expected = found.problem, found.contract, CONTRACTS
+    if problem is not None:
+        error = PatchError(open_clip_version(), problem, expected)
+        if not force:
+            raise error
+        warnings.warn(f"{error} Installing anyway because force=True.", RuntimeWarning, stacklevel=3)
+    return contract, found
+
+
+def install(force: bool = False, mode: Optional[str] = None, contract=None) -> Callable:
     """Replace upstream's ``_train_step_eager`` with the fixed step; return the installed function.
 
     A no-op when ours is already there. ``PatchError`` when open_clip does not
-    match the contract, unless ``force``, which warns and installs anyway.
-    ``mode``: ``"cached-loss"`` (default: the window loss once) or ``"replay"``
-    (once per microbatch, as upstream); ``None`` reads $NAFLEX_ACCUM_MODE.
+    match a contract generation the fix knows (the signature, then ``probe``),
+    unless ``force``, which warns and installs a step that follows each task
+    result's form. ``mode``: ``"cached-loss"`` (default: the window loss once)
+    or ``"replay"`` (once per microbatch, as upstream); ``None`` reads
+    $NAFLEX_ACCUM_MODE. ``contract``: a ``contract.Contract`` to speak without
+    probing (for launchers that know their upstream).
     """
-    step = get_step(mode)  # an unknown mode fails before anything is touched
+    name = get_step(mode).__name__  # an unknown mode fails before anything is touched
     with _lock:
         module = import_target()
         current = getattr(module, TARGET_NAME, None)
         if is_ours(current):
             return current
-        problem = contract_problem(current)
-        if problem is not None:
-            error = PatchError(open_clip_version(), problem)
-            if not force:
-                raise error
-            warnings.warn(f"{error} Installing anyway because force=True.", RuntimeWarning, stacklevel=2)
-        replacement = _make_replacement(current, step)
+        contract, found = _check(module, current, force, contract)
+        replacement = _make_replacement(current, make_step(mode, contract), name, found)
         setattr(module, TARGET_NAME, replacement)
         _announce(f"{describe(mode)}.")
         return replacement
@@ -197,14 +246,14 @@ def uninstall() -> bool:
 
 
 @contextlib.contextmanager
-def patched(force: bool = False, mode: Optional[str] = None):
+def patched(force: bool = False, mode: Optional[str] = None, contract=None):
     """``with patched(): ...`` runs the block with the fixed step installed.
 
     On exit it uninstalls only what it installed: a patch that was already in
     place before the block stays.
     """
     was_installed = is_installed()
-    fn = install(force=force, mode=mode)
+    fn = install(force=force, mode=mode, contract=contract)
     try:
         yield fn
     finally:

@@ -11,7 +11,7 @@ comparison, and for losses one would rather not evaluate on cached leaves.
 from dataclasses import dataclass, field
 from typing import Any, Tuple
 
-from .step import AccumulationStep, backward, total_loss
+from .step import AccumulationStep, backward
 from .window import WindowCache
 
 
@@ -19,7 +19,7 @@ from .window import WindowCache
 class ReplayState:
     cache: WindowCache
     accum_batches: list
-    result: Tuple[Any, Any] = field(default=(None, None))
+    result: Tuple[Any, Any, Any] = field(default=(None, None, None))  # (losses, report, generation)
 
 
 class ReplayStep(AccumulationStep):
@@ -32,13 +32,12 @@ class ReplayStep(AccumulationStep):
         with autocast():
             inputs = state.cache.with_live(j, model_out)
             inputs_no_accum = self.logit_inputs(model_out, j, final)
-            losses, report = task.compute_accum_loss(inputs, inputs_no_accum, state.accum_batches)
-            loss = total_loss(losses)
-            losses["loss"] = loss
+            losses, report, spoken = self.accum_loss(task, inputs, inputs_no_accum, state.accum_batches)
+            loss = losses["loss"]
         del inputs, inputs_no_accum
         scale = self.replay_scale(window, j)
         backward(loss * scale if scale != 1.0 else loss, scaler)
-        state.result = losses, report
+        state.result = losses, report, spoken
 
 
 _REPLAY_STEP = ReplayStep()

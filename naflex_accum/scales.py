@@ -12,6 +12,15 @@ from typing import Optional, Sequence, Union
 MODES = ("none", "linear", "sqrt")
 
 
+class StepError(ValueError):
+    """A bad setting or input that the accumulation step refuses, in one line.
+
+    The step's own refusals (and the contract's, ``contract.ContractError``) are
+    of this class, so a runner can print them as one line where a traceback
+    from inside the step would otherwise reach the user.
+    """
+
+
 def is_int_at_least(value, minimum: int) -> bool:
     # bool is an int subclass; a True batch size is a bug, not a 1.
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
@@ -26,7 +35,7 @@ def validate_mode(mode: Optional[str]) -> str:
     if mode is None:
         return "none"
     if mode not in MODES:
-        raise ValueError(
+        raise StepError(
             f"--naflex-loss-scale {mode!r} is not a known mode; valid modes are "
             f"{', '.join(MODES)}."
         )
@@ -35,7 +44,7 @@ def validate_mode(mode: Optional[str]) -> str:
 
 def validate_reference_batch_size(reference_batch_size) -> int:
     if not is_positive_int(reference_batch_size):
-        raise ValueError(
+        raise StepError(
             f"NaFlex loss scaling requires a positive --batch-size reference: got "
             f"{reference_batch_size!r}; pass a positive integer (the batch size the "
             f"learning rate was tuned for), or use --naflex-loss-scale none."
@@ -46,11 +55,11 @@ def validate_reference_batch_size(reference_batch_size) -> int:
 def validate_sizes(sizes: Sequence[int]) -> list:
     sizes = list(sizes)
     if not sizes:
-        raise ValueError("an accumulation window needs at least one microbatch; got an empty window.")
+        raise StepError("an accumulation window needs at least one microbatch; got an empty window.")
     bad = [(i, s) for i, s in enumerate(sizes) if not is_positive_int(s)]
     if bad:
         where = ", ".join(f"position {i}: {s!r}" for i, s in bad)
-        raise ValueError(
+        raise StepError(
             f"microbatch sizes must be positive integers; got {where} in window {sizes!r}."
         )
     return sizes
@@ -87,7 +96,7 @@ def window_loss_scale(
     if not isinstance(naflex, bool):
         flags = list(naflex)
         if len(flags) != len(sizes):
-            raise ValueError(f"got {len(flags)} NaFlex flags for a window of {len(sizes)} microbatches.")
+            raise StepError(f"got {len(flags)} NaFlex flags for a window of {len(sizes)} microbatches.")
         naflex = window_is_naflex(flags)
     if mode == "none" or not naflex:
         return 1.0
@@ -109,7 +118,7 @@ def window_is_naflex(flags: Sequence[bool]) -> bool:
         return False
     naflex = [i for i, f in enumerate(flags) if f]
     dense = [i for i, f in enumerate(flags) if not f]
-    raise ValueError(
+    raise StepError(
         f"an accumulation window mixes NaFlex and dense microbatches: NaFlex at "
         f"positions {naflex}, dense at positions {dense}. Feed one kind per window "
         f"(every microbatch with batch['image'] a dict holding 'patches', or none)."

@@ -15,8 +15,12 @@ gradient sync and the logit terms. So a window costs one forward less than
 upstream's. ``reuse_last_graph = False`` gives the older order (every
 microbatch cached, then every one replayed), kept for benchmarks.
 
-Signature and return contract match upstream (see the upstream contract):
-``None`` while a window fills, else ``(losses, report, step_batch_size, ([], {}))``.
+Signature and return contract match upstream's, in the generation the step
+was built for (``contract.Contract``; ``None`` follows the task's own form):
+``None`` while a window fills, else ``(losses, report, step_batch_size, ([], {}))``
+(or ``(losses, step_batch_size, ([], {}))`` in the older generation). Task
+results go through ``task_result``, which refuses a form the contract does not
+know before the step uses it.
 The hooks (GradCache style) mean the same in both modes, so a variant, or a
 reference bug, overrides one decision and gets it in both:
 ``replay_scale(window, j)`` multiplies microbatch j's gradient,
@@ -25,12 +29,13 @@ microbatch j's backward (the attached ones), ``replay_rng(microbatch)`` is the
 random state a replay runs under, ``grad_sync(module, enabled)`` whether a
 backward all-reduces.
 """
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
+from .contract import Contract, task_result
 from .rng import RngState
-from .scales import check_options, is_positive_int, window_is_naflex, window_loss_scale
+from .scales import StepError, check_options, is_positive_int, window_is_naflex, window_loss_scale
 from .sync import grad_sync
 from .window import LOGIT_KEYS, Microbatch, Window, WindowCache, is_naflex_batch, microbatch_size
 
@@ -77,7 +82,7 @@ def detach_values(d: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 def _accum_freq(args) -> int:
     k = getattr(args, "accum_freq", 1)
     if not is_positive_int(k):
-        raise ValueError(f"--accum-freq must be a positive integer; got {k!r}.")
+        raise StepError(f"--accum-freq must be a positive integer; got {k!r}.")
     return k
 
 
@@ -87,10 +92,13 @@ class AccumulationStep:
     A mode implements ``prepare(task, window, cache, accum_batches, scaler, autocast) -> state``, run
     once when the window's outputs are all cached, and ``backward_microbatch(task, window, state, j,
     model_out, final, scaler, autocast)``, run once per microbatch with its live outputs;
-    ``state.result`` is the ``(losses, report)`` to return.
+    ``state.result`` is the ``(losses, report, generation)`` of ``accum_loss``.
     """
 
     reuse_last_graph = True  # False: the older order, every microbatch replayed (benchmarks only)
+
+    def __init__(self, contract: Optional[Contract] = None):
+        self.contract = contract  # None: answer in whichever generation the task speaks
 
     # ---- hooks -----------------------------------------------------------
     def replay_scale(self, window: Window, j: int) -> float:
@@ -115,13 +123,26 @@ class AccumulationStep:
         """Context in which backward passes all-reduce gradients only if ``enabled``."""
         return grad_sync(module, enabled)
 
+    # ---- the task contract ---------------------------------------------------
+    def run_task(self, task, batch):
+        """``task(batch)`` as ``(losses, report, generation)``."""
+        return task_result(task(batch), f"{type(task).__name__}(batch)", self.contract)
+
+    def accum_loss(self, task, inputs, inputs_no_accum, accum_batches):
+        """``task.compute_accum_loss`` as ``(losses, report, generation)``, ``losses["loss"]`` the window's total."""
+        logits = dict(inputs_no_accum)  # before the task may drop entries (CoCa drops logit_bias)
+        losses, report, spoken = task_result(task.compute_accum_loss(inputs, inputs_no_accum, accum_batches),
+                                             f"{type(task).__name__}.compute_accum_loss", self.contract, logits)
+        losses["loss"] = total_loss(losses)
+        return losses, report, spoken
+
     # ---- call ------------------------------------------------------------
     def __call__(self, task, batch, accum_state, optimizer, scaler, autocast, args):
         k = _accum_freq(args)
         if k == 1:
             return self.single_step(task, batch, accum_state, optimizer, scaler, autocast, args)
         if accum_state is None:
-            raise ValueError("--accum-freq > 1 needs accum_state=([], {}) from the training loop; got None.")
+            raise StepError("--accum-freq > 1 needs accum_state=([], {}) from the training loop; got None.")
         accum_batches, accum_features = accum_state
         cache = accum_features.setdefault(WINDOW_KEY, WindowCache())
         cache.microbatches.append(self.admit(task, batch, cache.microbatches, args))
@@ -134,10 +155,10 @@ class AccumulationStep:
 
         window = self.make_window(cache.microbatches, args)
         optimizer.zero_grad()
-        losses, report = self.backward_window(task, window, cache, accum_batches, scaler, autocast)
+        losses, report, spoken = self.backward_window(task, window, cache, accum_batches, scaler, autocast)
         del accum_features[WINDOW_KEY]
         finish_step(task, optimizer, scaler, args)
-        return losses, report, sum(window.sizes), ([], {})
+        return spoken.step_result(losses, report, sum(window.sizes), ([], {}))
 
     def admit(self, task, batch, records: List[Microbatch], args) -> Microbatch:
         """Check a microbatch before its forward; capture its random state."""
@@ -182,8 +203,8 @@ class AccumulationStep:
                     model_out = module(**accum_batches[j])
                 self.backward_microbatch(task, window, state, j, model_out, final, scaler, autocast)
             del model_out
-        losses, report = state.result
-        return detach_values(losses), detach_values(report)
+        losses, report, spoken = state.result
+        return detach_values(losses), detach_values(report), spoken
 
     def prepare(self, task, window, cache, accum_batches, scaler, autocast):
         raise NotImplementedError
@@ -199,9 +220,9 @@ class AccumulationStep:
         scale = window_loss_scale([size], getattr(args, "batch_size", None), mode, naflex=naflex)
         optimizer.zero_grad()
         with autocast():
-            losses, report = task(batch)
+            losses, report, spoken = self.run_task(task, batch)
             loss = losses["loss"]
         backward(loss * scale if scale != 1.0 else loss, scaler)
         finish_step(task, optimizer, scaler, args)
-        return detach_values(losses), detach_values(report), size, accum_state
+        return spoken.step_result(detach_values(losses), detach_values(report), size, accum_state)
 

@@ -163,3 +163,42 @@ def task_factory(loss: str, stochastic: bool):
 
 def describe(loss: str) -> str:
     return DESCRIPTION[loss]
+
+
+def _audio_model(name: str) -> bool:
+    """Whether upstream's config of model ``name`` has an audio tower (CLAP); hub names are not looked up."""
+    if not name or name.startswith("hf-hub:"):
+        return False
+    try:
+        import open_clip
+
+        return "audio_cfg" in (open_clip.get_model_config(name) or {})
+    except Exception:  # an unknown name: upstream's main reports it
+        return False
+
+
+def run_kind(args):
+    """``(kind, None)``: which tiny task ('clip', 'siglip', 'coca') stands for this run's; ``(None, why)`` if none."""
+    model = str(getattr(args, "model", "") or "")
+    if getattr(args, "distill", False) or getattr(args, "distill_model", None):  # main sets .distill later
+        return None, "--distill-model trains DistillCLIPTask, which naflex-accum does not verify"
+    if _audio_model(model):
+        return None, f"--model {model} is an audio-text (CLAP) model, which naflex-accum does not verify"
+    if "coca" in model.lower():
+        return "coca", None
+    return ("siglip" if getattr(args, "siglip", False) else "clip"), None
+
+
+def run_task_factory(args, kind: str):
+    """``make_task(loss, stochastic)``: a seeded tiny model of ``kind`` in the task upstream's ``create_task``
+    builds from this run's ``args`` (one process, rank 0: the tiny task gathers nothing)."""
+    import torch
+    from open_clip import create_task
+
+    local = copy.copy(args)
+    local.rank, local.world_size, local.distributed, local.distill = 0, 1, False, False
+
+    def make_task(loss: str, stochastic: bool):
+        torch.manual_seed(0)
+        return create_task(local, model=create_model(kind, stochastic))
+    return make_task

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .rng import RngState
-from .scales import is_positive_int
+from .scales import StepError, is_positive_int
 
 LOGIT_KEYS = ("logit_scale", "logit_bias")
 
@@ -48,7 +48,7 @@ def is_naflex_batch(batch) -> bool:
 def microbatch_size(task, batch, position: int) -> int:
     size = task.batch_size(batch)
     if not is_positive_int(size):
-        raise ValueError(
+        raise StepError(
             f"the microbatch at position {position} of the window has size {size!r}; "
             f"every microbatch needs at least one sample.")
     return size
@@ -74,7 +74,7 @@ class WindowCache:
         position = self.added
         missing = [key for key in self.features if key not in model_out]
         if missing:
-            raise ValueError(f"model output {missing[0]!r} is missing from microbatch {position} of the window "
+            raise StepError(f"model output {missing[0]!r} is missing from microbatch {position} of the window "
                              f"(earlier microbatches had it); every microbatch must return the same keys.")
         for key, value in model_out.items():
             if key in LOGIT_KEYS:
@@ -87,7 +87,7 @@ class WindowCache:
     def _check(self, key: str, value, position: int) -> None:
         earlier = self.features.get(key)
         if earlier is None and position > 0:
-            raise ValueError(f"model output {key!r} appears at microbatch {position} of the window but not "
+            raise StepError(f"model output {key!r} appears at microbatch {position} of the window but not "
                              f"before; every microbatch must return the same keys.")
         first = earlier[0] if earlier else None
         ok = isinstance(value, torch.Tensor) and value.dim() >= 1 and (
@@ -95,7 +95,7 @@ class WindowCache:
         if not ok:
             seen = f"microbatch 0 gave {_describe(first)}, microbatch {position} gave " if first is not None else \
                 f"microbatch {position} gave "
-            raise ValueError(
+            raise StepError(
                 f"model output {key!r} cannot be accumulated: {seen}{_describe(value)}; accumulation "
                 f"concatenates every output but logit_scale/logit_bias over a window's microbatches along dim 0, "
                 f"so each must be a tensor with a leading dimension and the same other dimensions and dtype "

@@ -148,11 +148,38 @@ def test_run_folder_records_the_fix_and_its_mode_at_warning(stand_in, upstream_t
 
     seen, module, originals = upstream_main_with_logging
     monkeypatch.setenv("NAFLEX_ACCUM_MODE", mode)
+    monkeypatch.setenv("NAFLEX_ACCUM_VERIFY", "0")  # 3.3.0 has no upstream task classes to check with
     assert openclip.main(["--x"]) == 0
     assert seen["args"]["naflex_accum"] == f"{mode} (naflex-accum {__version__})"  # params.txt comes from these
-    records = [r for r in seen["records"] if r.name == "naflex_accum.openclip"]
-    assert len(records) == 1 and f"(accumulation mode {mode}:" in records[0].getMessage()
+    assert seen["args"]["naflex_accum_verify"] == "skipped (NAFLEX_ACCUM_VERIFY=0)"
+    assert "naflex_accum_fingerprint" in seen["args"] and "naflex_accum_upstream" in seen["args"]
+    records = [r.getMessage() for r in seen["records"] if r.name == "naflex_accum.openclip"]
+    assert len(records) == 3 and f"(accumulation mode {mode}:" in records[0]
+    assert records[2].startswith("self-check: skipped (NAFLEX_ACCUM_VERIFY=0)")
     assert (module.parse_args, module.setup_logging) == originals  # put back afterwards
+
+
+def test_a_bad_verify_setting_is_one_line_before_anything_runs(stand_in, upstream_train, fake_upstream_main,
+                                                               monkeypatch, capsys):
+    monkeypatch.setenv("NAFLEX_ACCUM_VERIFY", "no")
+    assert openclip.main(list(ARGS)) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "NAFLEX_ACCUM_VERIFY=no: use 1 (the default)" in line and "0 to skip" in line
+    assert "args" not in fake_upstream_main and getattr(upstream_train, NAME) is stand_in
+
+
+def test_a_step_refusal_inside_upstreams_loop_is_one_line(stand_in, upstream_train, monkeypatch, capsys):
+    from naflex_accum.contract import ContractError
+
+    module = types.ModuleType("open_clip_train.main")
+
+    def main(argv):
+        raise ContractError("CLIPTask.compute_accum_loss returned a dict; expected a (losses, report) tuple")
+    module.main = main
+    monkeypatch.setitem(sys.modules, "open_clip_train.main", module)
+    assert openclip.main(["--x"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("naflex_accum.openclip: error: the accumulation step stopped the run: CLIPTask.")
 
 
 def test_bad_mode_in_the_environment_is_one_line_before_anything_runs(stand_in, upstream_train, fake_upstream_main,

@@ -203,8 +203,8 @@ def step_calls(monkeypatch):
     from naflex_accum import cached_loss, replay
 
     calls = []
-    monkeypatch.setattr(replay, "replay_step", lambda *a: calls.append("replay_step"))
-    monkeypatch.setattr(cached_loss, "cached_loss_step", lambda *a: calls.append("cached_loss_step"))
+    monkeypatch.setattr(replay.ReplayStep, "__call__", lambda self, *a: calls.append("replay_step"))
+    monkeypatch.setattr(cached_loss.CachedLossStep, "__call__", lambda self, *a: calls.append("cached_loss_step"))
     monkeypatch.delenv("NAFLEX_ACCUM_MODE", raising=False)
     return calls
 

@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List
 
+from ..audit import REFERENCE_BATCH_SIZE, VERIFY_SPLITS, audit_row
 from ..errors import OneLineParser
 from ..modes import DEFAULT_MODE, ENV_VAR
 from ..modes import MODES as MODES_ACCUM
@@ -26,9 +27,6 @@ from ..scales import MODES
 from ..upstream_tasks import LOSSES
 from .table import load_step
 
-# Uneven on purpose: an even split hides the per-replay-scale bug.
-VERIFY_SPLITS = ((1, 2), (2, 1), (3, 5), (5, 2, 1))
-REFERENCE_BATCH_SIZE = 4
 
 
 @dataclass
@@ -39,6 +37,29 @@ class Target:
     task_label: str
     context: Callable = contextlib.nullcontext  # entered around the audit (installs the patch)
     notes: List[str] = field(default_factory=list)
+    upstream: bool = False  # the audited code is upstream's step (patched or not): fingerprint it
+    diagnose: bool = False  # say which of upstream's three faults the audited step has (--step)
+    facts: dict = field(default_factory=dict)  # found during the audit: contract, fingerprint
+
+
+def upstream_facts(loss: str, step=None) -> dict:
+    """The installed contract and the fingerprint of upstream's step (``step``, else the original) with the task."""
+    from .. import upstream_tasks
+    from ..fingerprint import fingerprint, verified
+    from ..patch import describe_contract, installed_step, original_step
+
+    facts = {}
+    installed = installed_step()
+    if installed is not None:
+        facts["contract"] = describe_contract(installed.contract)
+    original = step or original_step()
+    if original is not None and upstream_tasks.available():
+        import open_clip.task as tasks
+
+        task_class = getattr(tasks, upstream_tasks.TASK_CLASSES[loss])
+        value = fingerprint(original, task_class)
+        facts.update(fingerprint=value, fingerprint_task=task_class.__name__, verified_in_ci=verified(value))
+    return facts
 
 
 def _builtin_task(loss: str):
@@ -59,15 +80,20 @@ def _task_for(loss: str):
 
 
 def _upstream_problem():
-    """None when upstream's step can be patched here, else the PatchError saying why not."""
-    from ..patch import PatchError, contract_problem, import_target, open_clip_version, TARGET_NAME
+    """None when upstream's step can be patched here (signature, then the contract probe), else the PatchError."""
+    from ..patch import CONTRACTS, PatchError, contract_problem, import_target, open_clip_version, original_step
+    from ..patch import probe_contract
 
     try:
         module = import_target()
     except PatchError as exc:
         return exc
-    problem = contract_problem(getattr(module, TARGET_NAME, None))
-    return None if problem is None else PatchError(open_clip_version(), problem)
+    original = original_step()
+    problem = contract_problem(original)
+    if problem is not None:
+        return PatchError(open_clip_version(), problem)
+    found = probe_contract(module, original)
+    return None if found.problem is None else PatchError(open_clip_version(), found.problem, CONTRACTS)
 
 
 def _through_module(module_name: str, attr: str) -> Callable:
@@ -90,7 +116,7 @@ def choose_target(step_spec, loss: str, mode=None) -> Target:
     if step_spec is not None:
         make_task, task_label = _task_for(loss)
         return Target(load_step(step_spec), f"{step_spec} (as given by --step; nothing patched)",
-                      make_task, task_label)
+                      make_task, task_label, upstream=step_spec.startswith(f"{TARGET_MODULE}:"), diagnose=True)
     problem = _upstream_problem()
     if problem is None:
         make_task, task_label = _task_for(loss)
@@ -98,7 +124,7 @@ def choose_target(step_spec, loss: str, mode=None) -> Target:
                       f"{TARGET} with naflex_accum.install() in effect (accumulation mode {resolve_mode(mode)}: "
                       f"naflex_accum.{get_step(mode).__name__}), called through its module as train_one_epoch "
                       f"does", make_task, task_label,
-                      context=partial(patched, mode=mode))
+                      context=partial(patched, mode=mode), upstream=True)
     make_task, task_label = _builtin_task(loss)
     if problem.missing:
         note = (f"open_clip_torch {problem.version} has no NaFlex training step ({TARGET} is missing), "
@@ -110,29 +136,34 @@ def choose_target(step_spec, loss: str, mode=None) -> Target:
     return Target(step, f"naflex_accum.{step.__name__}", make_task, task_label, notes=[note])
 
 
-def audit_row(step, make_task, loss: str, mode: str, split, stochastic: bool):
-    """One row of the audit; a step (or reference) that raises gives a failed row with ``.error`` set."""
-    from ..audit import AuditResult, audit_case, window_spec
-    from ..scales import window_loss_scale
-
-    try:
-        return audit_case(step, make_task, loss, mode, split, stochastic,
-                          reference_batch_size=REFERENCE_BATCH_SIZE)
-    except Exception as exc:  # the audited step failed on this install: a FAIL row that says why
-        message = " ".join(str(exc).split()) or "(no message)"
-        naflex = window_spec(loss).images == "naflex"
-        scale = window_loss_scale(list(split), REFERENCE_BATCH_SIZE, mode, naflex=naflex)
-        row = AuditResult(loss, mode, tuple(split), stochastic, scale, math.inf, "")
-        row.error = f"{type(exc).__name__}: {message}"
-        return row
-
-
 def run_audit(target: Target, loss: str):
     with target.context(), warnings.catch_warnings():
         # Upstream's step returns its loss still attached to the graph.
         warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad")
+        if target.upstream:
+            # --step: the function audited; patched: the original that ours replaced
+            target.facts.update(upstream_facts(loss, target.step if target.diagnose else None))
         return [audit_row(target.step, target.make_task, loss, mode, split, stochastic)
                 for stochastic in (False, True) for mode in MODES for split in VERIFY_SPLITS]
+
+
+def _fact_lines(target: Target, loss: str, results) -> List[str]:
+    from ..faults import describe as describe_faults, diagnose
+
+    facts, lines = target.facts, []
+    if "contract" in facts:
+        lines.append(f"upstream: {facts['contract']}")
+    if "fingerprint" in facts:
+        where = facts["verified_in_ci"]
+        lines.append(f"upstream fingerprint: {facts['fingerprint']} (its step and {facts['fingerprint_task']}."
+                     f"compute_accum_loss): " + (f"verified in CI on {where}" if where else
+                                                  "not among the upstream versions CI verified; the rows below "
+                                                  "are the check"))
+    if target.diagnose:
+        found = diagnose(results, naflex=loss != "coca")
+        facts["fixes"] = found
+        lines.append(f"this step {describe_faults(found)}")
+    return lines
 
 
 def _span(results, key: str) -> str:
@@ -151,6 +182,7 @@ def render_text(target: Target, loss: str, version: str, results, seconds: float
              f"step: {target.step_label}",
              f"task: {target.task_label}",
              *[f"note: {n}" for n in target.notes],
+             *_fact_lines(target, loss, results),
              f"window: examples split into microbatches as shown; reference batch size (--batch-size) "
              f"{REFERENCE_BATCH_SIZE}{dense}; stoch = {STOCHASTIC_NOTE[loss]}",
              "", format_table(results), "",
@@ -173,8 +205,9 @@ def render_json(target: Target, loss: str, version: str, results, seconds: float
 
     rows = [{**{k: finite(v) for k, v in r.__dict__.items()}, "split": list(r.split), "passed": r.passed}
             for r in results]
+    _fact_lines(target, loss, results)  # fills target.facts["fixes"] for --step
     return json.dumps({"open_clip_torch": version, "loss": loss, "step": target.step_label,
-                       "task": target.task_label, "notes": target.notes,
+                       "task": target.task_label, "notes": target.notes, **target.facts,
                        "reference_batch_size": REFERENCE_BATCH_SIZE,
                        "passed": all(r.passed for r in results), "seconds": round(seconds, 2), "rows": rows})
 

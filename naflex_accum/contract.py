@@ -1,0 +1,109 @@
+"""Upstream's task-and-step contract, generation by generation, and how the step speaks each one.
+
+Invariant: the step reads a task's results and hands its own result to the
+training loop only through a ``Contract``, so one step serves every generation
+upstream has had under the one signature ``_train_step_eager(task, batch,
+accum_state, optimizer, scaler, autocast, args)``. A value in the contract's
+form is converted; anything else raises ``ContractError``, one line naming what
+was expected and what came, before the step uses it. ``contract=None`` follows
+the task: the form of each task result picks the generation, and the step
+answers in the same one.
+
+The generations (``../shared/UPSTREAM_CONTRACT.md``):
+
+- ``losses`` (upstream 5964c41, 2026-05-22, to 2026-06-13): ``task(batch)`` and
+  ``compute_accum_loss`` return ``losses`` alone, ``task(batch)``'s with
+  ``logit_scale`` among them; the step returns ``(losses, step_batch_size,
+  accum_state)`` and the loop logs ``losses["logit_scale"]``.
+- ``report`` (upstream 5f9ae12, 2026-06-14, on; 89fb801): both return
+  ``(losses, report)``, ``report`` holding ``logit_scale`` (and ``logit_bias``);
+  the step returns ``(losses, report, step_batch_size, accum_state)``.
+"""
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+from .scales import StepError
+from .window import LOGIT_KEYS
+
+
+class ContractError(StepError):
+    """A task or upstream loop that does not speak the contract the step was installed for (one line)."""
+
+
+@dataclass(frozen=True)
+class Contract:
+    name: str
+    span: str  # the upstream commits that have it
+    report: bool  # task results are (losses, report) and the step returns a 4-tuple
+
+    @property
+    def task_form(self) -> str:
+        return "a (losses, report) tuple of dicts" if self.report else "a losses dict alone"
+
+    @property
+    def step_form(self) -> str:
+        return ("(losses, report, step_batch_size, accum_state)" if self.report
+                else "(losses, step_batch_size, accum_state)")
+
+    def describe(self) -> str:
+        return f'contract "{self.name}" ({self.span}: tasks return {self.task_form}, the step {self.step_form})'
+
+    def step_result(self, losses: Dict, report: Dict, step_batch_size: int, accum_state) -> tuple:
+        """What upstream's loop of this generation unpacks from the step."""
+        if self.report:
+            return losses, report, step_batch_size, accum_state
+        if "logit_scale" in report:  # this generation's loop logs it from the losses
+            losses = {**losses, "logit_scale": report["logit_scale"]}
+        return losses, step_batch_size, accum_state
+
+
+LOSSES = Contract("losses", "upstream 5964c41 to 5f9ae12, 2026-05-22 to 2026-06-13", report=False)
+REPORT = Contract("report", "upstream 5f9ae12 on, 2026-06-14 to 89fb801 at least", report=True)
+GENERATIONS = (REPORT, LOSSES)
+KNOWN_FORMS = "(losses, report) [upstream from 2026-06-14] or losses alone [2026-05-22 to 2026-06-13]"
+
+
+def describe_value(value) -> str:
+    if isinstance(value, tuple):
+        return f"a {len(value)}-tuple ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def form_of(value) -> Optional[Contract]:
+    """The generation whose form a task result has, or None."""
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, dict) for v in value):
+        return REPORT
+    if isinstance(value, dict):
+        return LOSSES
+    return None
+
+
+def task_result(value, where: str, contract: Optional[Contract],
+                logits: Optional[Dict] = None) -> Tuple[Dict, Dict, Contract]:
+    """``(losses, report, generation)`` from what ``where`` returned.
+
+    ``contract``: the generation expected (``None``: whichever the value's form
+    is). ``logits``: the logit values the step passed in, which a ``losses``
+    generation task does not report back (its step did).
+    """
+    found = form_of(value)
+    if found is None or (contract is not None and found is not contract):
+        expected = contract.task_form if contract is not None else KNOWN_FORMS
+        installed = f", the form of the {contract.describe()} the step was installed for" if contract else ""
+        raise ContractError(f"{where} returned {describe_value(value)}; expected {expected}{installed}. "
+                            f"Upstream's task contract changed: run `naflex-accum verify` on this install.")
+    if found.report:
+        losses, report = value
+        return losses, report, found
+    report = {key: value[key] for key in LOGIT_KEYS if key in value}
+    for key, logit in (logits or {}).items():
+        report.setdefault(key, logit)
+    return value, report, found
+
+
+def split_result(result) -> Tuple[Dict, int]:
+    """``(losses, step_batch_size)`` from a step's result of either generation (audits read only these)."""
+    if not isinstance(result, tuple) or len(result) not in (3, 4):
+        raise ContractError(f"the step returned {describe_value(result)}; expected "
+                            f"{REPORT.step_form} or {LOSSES.step_form}.")
+    return result[0], result[-2]
