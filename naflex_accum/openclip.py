@@ -82,7 +82,7 @@ def _checked(args, mode: str, lines: list) -> None:
 
     lines.extend(check_run(args, mode))
     if _rank() == 0:
-        print(f"naflex-accum: {' | '.join(lines[1:])}", file=sys.stderr, flush=True)
+        print("\n".join(f"naflex-accum: {text}" for text in lines[1:]), file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -41,8 +41,7 @@ _lock = threading.RLock()
 _announced = False
 
 
-CONTRACTS = ("the task contract of upstream open_clip main from 2026-05-22 (losses alone) or from 2026-06-14 "
-             "((losses, report))")
+CONTRACTS = "a task-and-step contract the fix knows"
 
 
 class PatchError(RuntimeError):

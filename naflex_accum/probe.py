@@ -182,9 +182,12 @@ def _decide(found: Dict[str, Optional[Contract]], parts: Dict[str, str]) -> Prob
     if LOOP_NAME not in found and own not in found:
         return Probe(None, f"neither {LOOP_NAME}'s source nor upstream's own step shows what the loop unpacks "
                            f"(the step {parts.get(own, 'did not run')})", parts)
-    seen = {contract.name: part for part, contract in found.items()}
+    seen: Dict[str, list] = {}
+    for part, contract in found.items():
+        seen.setdefault(contract.name, []).append(part)
     if len(seen) > 1:
-        views = "; ".join(f"{part} speaks {name!r}" for name, part in seen.items())
+        views = "; ".join(f"{', '.join(names)} {'speaks' if len(names) == 1 else 'speak'} {name!r}"
+                          for name, names in seen.items())
         return Probe(None, f"the parts of the contract disagree ({views})", parts)
     contract = next(iter(found.values()))
     assert contract in GENERATIONS

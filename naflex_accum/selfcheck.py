@@ -13,6 +13,7 @@ the run draws what it would have drawn without it.
 """
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
@@ -91,7 +92,8 @@ def run(args, original) -> Outcome:
     start, threads = time.time(), torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: one thread is fastest, and ranks sharing a node do not fight
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad")  # upstream's step
             outcome = _audit(args, original)
     except Exception as exc:  # building the tiny task failed: the check could not run
         outcome = Outcome(rank=getattr(args, "rank", 0) or 0,

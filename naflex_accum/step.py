@@ -99,6 +99,7 @@ class AccumulationStep:
 
     def __init__(self, contract: Optional[Contract] = None):
         self.contract = contract  # None: answer in whichever generation the task speaks
+        self.calls = self.steps = 0  # how often it was called, and made an optimizer step (diagnostics)
 
     # ---- hooks -----------------------------------------------------------
     def replay_scale(self, window: Window, j: int) -> float:
@@ -138,6 +139,7 @@ class AccumulationStep:
 
     # ---- call ------------------------------------------------------------
     def __call__(self, task, batch, accum_state, optimizer, scaler, autocast, args):
+        self.calls += 1
         k = _accum_freq(args)
         if k == 1:
             return self.single_step(task, batch, accum_state, optimizer, scaler, autocast, args)
@@ -158,6 +160,7 @@ class AccumulationStep:
         losses, report, spoken = self.backward_window(task, window, cache, accum_batches, scaler, autocast)
         del accum_features[WINDOW_KEY]
         finish_step(task, optimizer, scaler, args)
+        self.steps += 1
         return spoken.step_result(losses, report, sum(window.sizes), ([], {}))
 
     def admit(self, task, batch, records: List[Microbatch], args) -> Microbatch:
@@ -224,5 +227,6 @@ class AccumulationStep:
             loss = losses["loss"]
         backward(loss * scale if scale != 1.0 else loss, scaler)
         finish_step(task, optimizer, scaler, args)
+        self.steps += 1
         return spoken.step_result(detach_values(losses), detach_values(report), size, accum_state)
 

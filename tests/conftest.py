@@ -11,8 +11,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # Fixtures that put a stand-in upstream step on open_clip_train.train and restore it.
 from upstream_stand_in import stand_in, upstream_train  # noqa: E402,F401
-# The pinned upstream open_clip main, extracted once per run, and tiny demo shards for its trainer.
-from upstream_real import demo_shards, upstream_src  # noqa: E402,F401
+# The pinned upstream open_clip main snapshots, extracted once per run, and tiny demo shards for its trainer.
+from upstream_real import demo_shards, pinned, upstream_src  # noqa: E402,F401
 
 
 @pytest.fixture

@@ -37,6 +37,21 @@ def wait_for(predicate, proc, timeout=90.0):
     return True
 
 
+def folder_locked(lock: Path) -> bool:
+    """Whether another process holds the run folder's lock (``RunLock``'s POSIX lock)."""
+    import fcntl
+
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def test_kill_9_at_a_random_moment_then_resume_is_exact(setup, tmp_path):
     """Random moment: after a random step checkpoint plus a random delay (a save may be under way)."""
     shards, model, whole = setup
@@ -51,7 +66,8 @@ def test_kill_9_at_a_random_moment_then_resume_is_exact(setup, tmp_path):
         assert wait_for(target, proc), (tmp_path / "a.log").read_text()[-3000:]
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGSTOP)  # frozen where it is, still holding the run folder
-        alive = proc.poll() is None
+        # A run that finished within the delay has let its folder go while still exiting.
+        alive = proc.poll() is None and folder_locked(tmp_path / "k" / ".lock")
         if alive:  # a second run on the same folder is refused while the first lives
             second = subprocess.run(trainer_cmd(*argv, "--resume", "latest"), env=SUBPROCESS_ENV,
                                     capture_output=True, text=True, timeout=120)

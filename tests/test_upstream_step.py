@@ -1,5 +1,7 @@
 """One optimizer step of upstream open_clip main's own trainer, patched, against an unaccumulated reference.
 
+Run on each pinned upstream commit (both contract generations).
+
 ``upstream_jobs/one_step.py`` runs upstream's ``main`` on NaFlex demo shards with
 ``--accum-freq 2 --naflex-loss-scale linear``, sequence lengths 16 and 64 under a
 512-token budget, so its schedule sizes the window's two batches 512/16 = 32 and
@@ -16,13 +18,14 @@ from upstream_real import DETERMINISTIC, JOBS, last_json, run_python, upstream_e
 
 
 @pytest.fixture(scope="module")
-def outcome(upstream_src, demo_shards, tmp_path_factory):
+def outcome(pinned, demo_shards, tmp_path_factory):
     from naflex_accum.upstream_tasks import write_model_dir
 
     work = tmp_path_factory.mktemp("one-step")
     model = write_model_dir(str(work / "tiny-clip"), "clip")
-    env = upstream_env(upstream_src, **DETERMINISTIC)
-    return last_json(run_python(upstream_src, [JOBS / "one_step.py", work, demo_shards, model], cwd=work, env=env))
+    env = upstream_env(pinned.src, **DETERMINISTIC)
+    return last_json(run_python(pinned.src, [JOBS / "one_step.py", work, demo_shards, model, pinned.tokens_flag],
+                                cwd=work, env=env))
 
 
 def test_the_window_is_uneven_and_every_run_saw_the_same_examples_and_init(outcome):

@@ -1,26 +1,48 @@
-"""The pinned upstream open_clip main, extracted once per test run, and helpers to run it in subprocesses.
+"""The pinned upstream open_clip main snapshots, extracted once per test run, and helpers to run them.
 
-``../shared/upstream/open_clip-89fb801.tar.gz`` (from the checkout root) is
-upstream's source at a fixed commit. Upstream runs only in subprocesses, from
-this venv (``sys.executable``) with its ``src`` first on PYTHONPATH, so the
-open_clip 3.3.0 that the rest of the suite imports is never shadowed. Without
-the tarball (a checkout without ``../shared``) the tests that need it skip with
-the reason; under CI (``$CI`` or ``$NAFLEX_ACCUM_REQUIRE_UPSTREAM`` set) they
-fail instead, so a missing fixture cannot pass as green.
+``../shared/upstream/open_clip-COMMIT.tar.gz`` (from the checkout root) is
+upstream's source at a fixed commit: 89fb801 (the ``report`` contract, the
+default fixture ``upstream_src``) and 5964c41 (the older ``losses`` one);
+``pinned`` runs a test on each. Upstream runs only in subprocesses, from this
+venv (``sys.executable``) with its ``src`` first on PYTHONPATH, so the open_clip
+3.3.0 that the rest of the suite imports is never shadowed. Without a tarball
+(a checkout without ``../shared``) the tests that need it skip with the reason;
+under CI (``$CI`` or ``$NAFLEX_ACCUM_REQUIRE_UPSTREAM`` set) they fail instead,
+so a missing fixture cannot pass as green.
 """
 import json
 import os
 import subprocess
 import sys
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TARBALL = ROOT.parent / "shared" / "upstream" / "open_clip-89fb801.tar.gz"
-TOP = "open_clip-89fb801"
+SHARED = ROOT.parent / "shared" / "upstream"
 JOBS = Path(__file__).resolve().parent / "upstream_jobs"
+
+
+@dataclass(frozen=True)
+class Pinned:
+    commit: str
+    version: str  # open_clip.version.__version__ at that commit
+    contract: str  # naflex_accum.contract generation name
+    tokens_flag: str  # its NaFlex token-budget flag (renamed between the two)
+    src: Path = None
+
+    @property
+    def tarball(self) -> Path:
+        return SHARED / f"open_clip-{self.commit}.tar.gz"
+
+
+PINNED = {
+    "89fb801": Pinned("89fb801", "4.2.0.dev0", "report", "--naflex-max-tokens-per-batch"),
+    "5964c41": Pinned("5964c41", "4.0.0.dev0", "losses", "--naflex-max-image-tokens-per-batch"),
+}
+TARBALL = PINNED["89fb801"].tarball
 # Upstream's sample shuffle is seeded from time and pid; a buffer of one keeps shard order.
 DETERMINISTIC = {"OPENCLIP_WDS_SAMPLE_SHUFFLE_SIZE": "1", "OPENCLIP_WDS_SAMPLE_SHUFFLE_INITIAL": "1"}
 TIMEOUT = 600
@@ -30,20 +52,42 @@ def _required() -> bool:
                ("CI", "NAFLEX_ACCUM_REQUIRE_UPSTREAM"))
 
 
+_EXTRACTED = {}
+
+
+def extract(tmp_path_factory, name: str) -> Path:
+    """The folder ``open_clip-<name>`` from ``shared/upstream/open_clip-<name>.tar.gz``, extracted once per run."""
+    if name not in _EXTRACTED:
+        tarball = SHARED / f"open_clip-{name}.tar.gz"
+        if not tarball.is_file():
+            reason = f"pinned upstream open_clip not found at {tarball} (it lives in ../shared next to the checkout)"
+            if _required():
+                pytest.fail(f"{reason}; under CI the upstream tests must run")
+            pytest.skip(reason)
+        dest = tmp_path_factory.mktemp(f"upstream-{name}")
+        with tarfile.open(tarball) as tar:
+            tar.extractall(dest, filter="data")
+        _EXTRACTED[name] = dest
+    return _EXTRACTED[name] / f"open_clip-{name.split('-')[0]}"
+
+
+def _src(tmp_path_factory, commit: str) -> Path:
+    src = extract(tmp_path_factory, commit) / "src"
+    assert (src / "open_clip_train" / "train.py").is_file(), f"unexpected layout in {PINNED[commit].tarball}"
+    return src
+
+
 @pytest.fixture(scope="session")
 def upstream_src(tmp_path_factory) -> Path:
-    """``src`` of the pinned upstream, extracted into a temporary folder once per test run."""
-    if not TARBALL.is_file():
-        reason = f"pinned upstream open_clip not found at {TARBALL} (it lives in ../shared next to the checkout)"
-        if _required():
-            pytest.fail(f"{reason}; under CI the upstream tests must run")
-        pytest.skip(reason)
-    dest = tmp_path_factory.mktemp("upstream")
-    with tarfile.open(TARBALL) as tar:
-        tar.extractall(dest, filter="data")
-    src = dest / TOP / "src"
-    assert (src / "open_clip_train" / "train.py").is_file(), f"unexpected layout in {TARBALL}"
-    return src
+    """``src`` of the pinned upstream 89fb801, extracted into a temporary folder once per test run."""
+    return _src(tmp_path_factory, "89fb801")
+
+
+@pytest.fixture(scope="session", params=list(PINNED), ids=lambda commit: f"upstream-{commit}")
+def pinned(request, tmp_path_factory) -> Pinned:
+    """Each pinned upstream commit in turn, with its ``src`` extracted."""
+    info = PINNED[request.param]
+    return Pinned(info.commit, info.version, info.contract, info.tokens_flag, _src(tmp_path_factory, info.commit))
 
 
 @pytest.fixture(scope="session")

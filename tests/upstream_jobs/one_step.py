@@ -1,7 +1,7 @@
 """One optimizer step of upstream open_clip main's own trainer on an uneven NaFlex window.
 
 Run in a subprocess with upstream's ``src`` first on PYTHONPATH:
-    python one_step.py WORKDIR SHARDS MODEL_NAME
+    python one_step.py WORKDIR SHARDS MODEL_NAME TOKENS_FLAG
 Prints one JSON object. The trainer runs from the same seed on the same
 shards (sample shuffle fixed by OPENCLIP_WDS_SAMPLE_SHUFFLE_*=1) once per
 accumulation mode with ``naflex_accum.install(mode=...)`` in effect, and once
@@ -29,11 +29,11 @@ import torch
 
 torch.set_num_threads(1)
 
-WORK, SHARDS, MODEL = sys.argv[1:4]
+WORK, SHARDS, MODEL, TOKENS_FLAG = sys.argv[1:5]  # the token-budget flag was renamed between the pinned commits
 REFERENCE_BATCH_SIZE = 16
 ARGS = ["--use-naflex", "--model", MODEL, "--train-data", SHARDS, "--dataset-type", "webdataset",
         "--train-num-samples", "40", "--batch-size", str(REFERENCE_BATCH_SIZE), "--naflex-seq-lens", "16", "64",
-        "--naflex-max-tokens-per-batch", "512", "--accum-freq", "2", "--naflex-loss-scale", "linear",
+        TOKENS_FLAG, "512", "--accum-freq", "2", "--naflex-loss-scale", "linear",
         "--epochs", "1", "--workers", "0", "--opt", "timm/momentum", "--momentum", "0", "--wd", "0",
         "--lr", "1.0", "--warmup", "0", "--lr-scheduler", "const", "--seed", "0", "--device", "cpu", "--precision", "fp32",
         "--logs", f"{WORK}/logs", "--save-frequency", "0"]
@@ -113,9 +113,21 @@ def overflow(step, seen):
             "nonfinite_grads": sum(not bool(torch.isfinite(g).all()) for g in grads)}
 
 
+def fix_sample_order():
+    """Upstream's sample shuffle is seeded from time and pid: a buffer of one keeps shard order.
+
+    89fb801 reads OPENCLIP_WDS_SAMPLE_SHUFFLE_* (set by the test); 5964c41 has only the module constants.
+    """
+    import open_clip_train.data as data
+
+    data._SAMPLE_SHUFFLE_SIZE = data._SAMPLE_SHUFFLE_INITIAL = 1
+
+
 def main():
     import naflex_accum
     import open_clip_train.train as train
+
+    fix_sample_order()
     from naflex_accum.modes import MODES, get_step
     from open_clip_train.precision import get_autocast
 
