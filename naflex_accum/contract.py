@@ -46,7 +46,9 @@ class Contract:
                 else "(losses, step_batch_size, accum_state)")
 
     def describe(self) -> str:
-        return f'contract "{self.name}" ({self.span}: tasks return {self.task_form}, the step {self.step_form})'
+        results = "(losses, report)" if self.report else "losses alone"
+        return (f'contract "{self.name}" ({self.span}: task results {results}, the step returns '
+                f'{4 if self.report else 3} values)')
 
     def step_result(self, losses: Dict, report: Dict, step_batch_size: int, accum_state) -> tuple:
         """What upstream's loop of this generation unpacks from the step."""
@@ -57,8 +59,8 @@ class Contract:
         return losses, step_batch_size, accum_state
 
 
-LOSSES = Contract("losses", "upstream 5964c41 to 5f9ae12, 2026-05-22 to 2026-06-13", report=False)
-REPORT = Contract("report", "upstream 5f9ae12 on, 2026-06-14 to 89fb801 at least", report=True)
+LOSSES = Contract("losses", "upstream main 5964c41 to 5f9ae12, 2026-05-22 to 06-13", report=False)
+REPORT = Contract("report", "upstream main from 5f9ae12, 2026-06-14", report=True)
 GENERATIONS = (REPORT, LOSSES)
 KNOWN_FORMS = "(losses, report) [upstream from 2026-06-14] or losses alone [2026-05-22 to 2026-06-13]"
 

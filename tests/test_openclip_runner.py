@@ -159,15 +159,6 @@ def test_run_folder_records_the_fix_and_its_mode_at_warning(stand_in, upstream_t
     assert (module.parse_args, module.setup_logging) == originals  # put back afterwards
 
 
-def test_a_bad_verify_setting_is_one_line_before_anything_runs(stand_in, upstream_train, fake_upstream_main,
-                                                               monkeypatch, capsys):
-    monkeypatch.setenv("NAFLEX_ACCUM_VERIFY", "no")
-    assert openclip.main(list(ARGS)) == 2
-    line = _one_line(capsys.readouterr().err)
-    assert "NAFLEX_ACCUM_VERIFY=no: use 1 (the default)" in line and "0 to skip" in line
-    assert "args" not in fake_upstream_main and getattr(upstream_train, NAME) is stand_in
-
-
 def test_a_step_refusal_inside_upstreams_loop_is_one_line(stand_in, upstream_train, monkeypatch, capsys):
     from naflex_accum.contract import ContractError
 
@@ -182,10 +173,15 @@ def test_a_step_refusal_inside_upstreams_loop_is_one_line(stand_in, upstream_tra
     assert line.startswith("naflex_accum.openclip: error: the accumulation step stopped the run: CLIPTask.")
 
 
-def test_bad_mode_in_the_environment_is_one_line_before_anything_runs(stand_in, upstream_train, fake_upstream_main,
-                                                                      monkeypatch, capsys):
-    monkeypatch.setenv("NAFLEX_ACCUM_MODE", "fast")
+@pytest.mark.parametrize("var,value,said", [
+    ("NAFLEX_ACCUM_MODE", "fast", ["NAFLEX_ACCUM_MODE=fast: unknown accumulation mode", "cached-loss"]),
+    ("NAFLEX_ACCUM_VERIFY", "no", ["NAFLEX_ACCUM_VERIFY=no: use 1 (the default)", "0 to skip"]),
+])
+def test_a_bad_setting_in_the_environment_is_one_line_before_anything_runs(stand_in, upstream_train,
+                                                                           fake_upstream_main, monkeypatch, capsys,
+                                                                           var, value, said):
+    monkeypatch.setenv(var, value)
     assert openclip.main(list(ARGS)) == 2
     line = _one_line(capsys.readouterr().err)
-    assert "NAFLEX_ACCUM_MODE=fast: unknown accumulation mode" in line and "cached-loss" in line
+    assert all(text in line for text in said), line
     assert "args" not in fake_upstream_main and getattr(upstream_train, NAME) is stand_in
