@@ -186,6 +186,9 @@ def run_kind(args):
         return None, f"--model {model} is an audio-text (CLAP) model, which naflex-accum does not verify"
     if "coca" in model.lower():
         return "coca", None
+    for name, task in (("genlap", "GenLapTask"), ("genlip", "GenLipTask")):  # as upstream's create_task tells
+        if name in model.lower():
+            return None, f"--model {model} trains {task}, which naflex-accum does not verify"
     return ("siglip" if getattr(args, "siglip", False) else "clip"), None
 
 

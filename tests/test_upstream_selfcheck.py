@@ -7,12 +7,13 @@ rank, before upstream creates the run folder; with nothing broken, every rank
 agrees and the run folder records it. The two-rank runs use torchrun with gloo
 on the CPU.
 """
+import json
 import subprocess
 import sys
 
 import pytest
 
-from upstream_real import DETERMINISTIC, JOBS, run_python, tail, upstream_env
+from upstream_real import DETERMINISTIC, JOBS, last_json, run_python, tail, upstream_env
 
 ERROR = "naflex_accum.openclip: error: the fixed step failed its check on this run's task before training ("
 TIMEOUT = 300
@@ -98,3 +99,32 @@ def test_every_rank_agrees_and_the_run_folder_says_so(upstream_src, demo_shards,
     assert not _errors(proc)
     # Upstream's own main then cannot wrap a CPU model in DDP (it passes device_ids=[cpu]): its limit, not ours.
     assert proc.returncode == 0 or "DistributedDataParallel device_ids and output_device arguments" in proc.stderr
+
+
+UNVERIFIABLE = r"""
+import json, sys
+import naflex_accum
+from naflex_accum import selfcheck
+from naflex_accum.patch import original_step
+from open_clip_train.params import parse_args
+
+naflex_accum.install()
+said = []
+for argv in json.loads(sys.argv[1]):
+    args = parse_args(argv)
+    args.rank, args.world_size, args.distributed = 0, 1, False
+    outcome = selfcheck.run(args, original_step())
+    said.append([outcome.passed, outcome.error])
+print(json.dumps(said))
+"""
+
+
+def test_tasks_the_check_cannot_stand_in_for_are_named(upstream_src, tmp_path):
+    cases = [["--model", "naflexgenlip_test"], ["--accum-freq", "2", "--distill-model", "ViT-B-32",
+                                                "--distill-pretrained", "x"],
+             ["--accum-freq", "2", "--model", "naflexclap_test"]]
+    said = last_json(run_python(upstream_src, ["-c", UNVERIFIABLE, json.dumps(cases)], cwd=tmp_path))
+    assert said == [
+        [False, "--model naflexgenlip_test trains GenLipTask, which naflex-accum does not verify"],
+        [False, "--distill-model trains DistillCLIPTask, which naflex-accum does not verify"],
+        [False, "--model naflexclap_test is an audio-text (CLAP) model, which naflex-accum does not verify"]]
