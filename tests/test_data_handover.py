@@ -103,7 +103,7 @@ def test_released_slots_are_reused_and_views_keep_theirs(shards, monkeypatch, wo
 
 def test_without_recycling_batches_travel_in_fresh_memory(shards, monkeypatch):
     # what a pinned (CUDA) loader's workers do: its pin thread copies each batch out at once
-    from naflex_accum.data.loader import _iterate
+    from naflex_accum.data.loader import _data_loader, _iterate
 
     received = []
     monkeypatch.setattr(handover.Receiver, "patches", lambda self, ref: received.append(ref))
@@ -111,7 +111,8 @@ def test_without_recycling_batches_travel_in_fresh_memory(shards, monkeypatch):
     stream = loader.stream()
     assert stream.recycle
     stream.recycle = False
-    batches = {meta["index"]: batch for batch, meta in _iterate(stream, 2, False, handover.Receiver(stream.flags))}
+    batches = {meta["index"]: batch for batch, meta in _iterate(_data_loader(stream, 2, False), False,
+                                                                handover.Receiver(stream.flags))}
     expected = _expected(loader)
     assert received == [] and sorted(batches) == list(range(len(expected)))
     assert all(_equal(batches[i], b) for i, b in enumerate(expected))

@@ -170,3 +170,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("restarts,requeued", [("0", True), ("2", True), ("3", False)])
+def test_a_loader_failure_requeues_a_bounded_number_of_times(tmp_path, restarts, requeued):
+    env = {**fake_slurm(tmp_path, "exit 74"), "SLURM_RESTART_COUNT": restarts}
+    proc = start_job(env, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 74, out
+    assert (calls(tmp_path).count("requeue 4242") == 1) is requeued, out
+    if requeued:
+        assert f"a data-loader worker failed (exit 74); restart {restarts} of 3" in out
+    else:
+        assert "failed again (exit 74) after 3 requeues: not requeueing" in out

@@ -138,3 +138,20 @@ def test_unwritable_logs_folder(setup, tmp_path, capsys):
     finally:
         if os.geteuid() == 0:
             subprocess.run(["umount", str(readonly)])
+
+
+@pytest.mark.parametrize("device,needles", [
+    ("cuda", ["--device cuda: no CUDA GPU is visible to this process", "use --device cpu"]),
+    ("cuda:99", ["--device cuda:99"]),  # no GPU here; past the last one on a GPU machine
+    ("gpu", ["--device 'gpu' is not a device; valid: cpu, cuda, cuda:N"]),
+    ("meta", ["--device meta: the trainer runs on cpu or cuda"]),
+])
+def test_a_device_that_is_not_there_is_one_line_before_the_run_folder(setup, tmp_path, capsys, device, needles):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    shards, model = setup
+    exit_2_one_line(capsys, [*run_argv(shards, model, tmp_path / "logs", "run", workers=0), "--device", device],
+                    *needles)
+    assert not (tmp_path / "logs").exists()

@@ -6,8 +6,10 @@ built it), the same count on every rank; each batch is
 ``{"image": {...}, "text": ...}`` and nothing else. ``stats`` counts what this
 process received this epoch, including corrupt samples reported by workers,
 which are also logged (the first ``LOG_LIMIT`` distinct ones of an epoch
-individually, then a summary). With ``pin_memory`` (for CUDA) batches arrive in
-pinned memory and the worker processes live across epochs; nothing else changes.
+individually, then a summary). The worker processes of a train loader live across
+epochs; with ``pin_memory`` (for CUDA) batches arrive in pinned memory. A worker
+that dies, raises or sends nothing for ``DataConfig.timeout`` seconds raises
+torch's error in the main process, which ``workers.failure`` names in one line.
 """
 import logging
 import signal
@@ -20,6 +22,7 @@ from .handover import Receiver
 from .pipeline import TrainStream, ValStream
 from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import dataset_size, expand_sources, expand_urls, shard_weights
+from .workers import raise_pending, register as register_workers, stop as stop_workers
 
 log = logging.getLogger("naflex_accum.data")
 LOG_LIMIT = 20
@@ -79,11 +82,21 @@ def _data_loader(dataset, workers: int, pin_memory: bool, persistent: bool = Fal
                                        persistent_workers=persistent, worker_init_fn=_ignore_stop_signals)
 
 
-def _iterate(dataset, workers: int, pin_memory: bool, receive: Receiver) -> Iterator:
-    """``(batch, meta)`` from the dataset, in this process or in workers; batches pinned if asked (and CUDA is)."""
-    source = iter(_data_loader(dataset, workers, pin_memory)) if workers > 0 else iter(dataset)
+def _iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -> Iterator:
+    """``(batch, meta)`` from ``source`` (a dataset, or a DataLoader over one); pinned if asked (and CUDA is).
+
+    A wait of over ``timeout`` seconds (0: none) for the workers' next batch stops them (``workers``).
+    """
+    source = iter(source)
+    watch = register_workers(source, timeout)  # a failure names its worker; the run's end stops them all
     pin = pin_memory and torch.cuda.is_available()
-    for batch, meta in source:
+    while True:
+        with watch.waiting():
+            item = next(source, None)
+        raise_pending()  # a worker that died meanwhile fails the run here, not inside whatever ran then
+        if item is None:
+            return
+        batch, meta = item
         if batch is not None:
             batch = receive(batch)
             # the DataLoader's pin thread has pinned the patches already (pin_memory keeps those as they are)
@@ -96,9 +109,9 @@ class TrainLoader:
 
     ``iter_meta()`` yields ``(batch, meta)`` instead, ``meta`` holding the batch's
     ``index`` in the epoch and its ``samples`` and ``image_tokens`` counted on the
-    CPU, so a training loop needs no device sync to count them. ``pin_memory=True``
-    (for CUDA): batches arrive in pinned memory and the worker processes are kept
-    from one epoch to the next.
+    CPU, so a training loop needs no device sync to count them. The worker
+    processes are kept from one epoch to the next; ``pin_memory=True`` (for CUDA):
+    batches arrive in pinned memory.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False):
@@ -127,7 +140,7 @@ class TrainLoader:
         self.num_token_slots = tokens * cfg.world_size     # global batch_size * seq_len summed over the epoch
         # [epoch, start_batch]; in shared memory, so that persistent workers see set_epoch
         self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self._workers = None  # the persistent DataLoader, with pin_memory and workers, and its Receiver
+        self._workers = None  # the persistent DataLoader (with workers) and its Receiver
         self._receiver = None
         self.stats = _Counter("--train-data", 0).stats
 
@@ -165,15 +178,21 @@ class TrainLoader:
                            self.weights, recycle=not (self.pin_memory and torch.cuda.is_available()))
 
     def _source(self) -> Iterator:
-        workers = self.cfg.workers
-        if not (self.pin_memory and workers > 0):
+        if self.cfg.workers == 0:
             stream = self.stream()
-            return _iterate(stream, workers, self.pin_memory, Receiver(stream.flags))
+            return _iterate(stream, self.pin_memory, Receiver(stream.flags))
         if self._workers is None:  # built once: its workers read the shared position at each epoch's start
             stream = self.stream(self._position)
-            self._workers = _data_loader(stream, workers, True, persistent=True)
+            self._workers = _data_loader(stream, self.cfg.workers, self.pin_memory, persistent=True)
             self._receiver = Receiver(stream.flags)
-        return _iterate(self._workers, 0, True, self._receiver)
+        return _iterate(self._workers, self.pin_memory, self._receiver, self.cfg.timeout)
+
+    def close(self) -> None:
+        """Stop the persistent workers (also done when the process exits); the next epoch starts new ones."""
+        iterator = getattr(self._workers, "_iterator", None)
+        if iterator is not None:
+            stop_workers(iterator)
+        self._workers = self._receiver = None
 
     def __iter__(self) -> Iterator[Dict]:
         return (batch for batch, _ in self.iter_meta())
@@ -231,7 +250,9 @@ class ValLoader:
         counter = _Counter("--val-data")
         self.stats = counter.stats
         stream = ValStream(self.urls, self.seq_len, self.batch_size, self.patch_size, self.tokenizer)
-        source = _iterate(stream, min(self.workers, len(self.urls)), self.pin_memory, Receiver())
+        count = min(self.workers, len(self.urls))
+        source = _iterate(_data_loader(stream, count, self.pin_memory) if count else stream, self.pin_memory,
+                          Receiver())
         try:
             for batch, meta in source:
                 if batch is None and "error" in meta:

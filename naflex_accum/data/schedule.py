@@ -38,6 +38,7 @@ class DataConfig:
     shuffle_buffer: int = 1000                      # samples held for shuffling, per worker (0: no shuffle)
     dataset_resampled: bool = False                 # --dataset-resampled (open_clip's default: off)
     upsampling_factors: Optional[Sequence[float]] = None  # --train-data-upsampling-factors: one per '::' source
+    timeout: float = 600.0                          # --data-timeout: seconds without a batch from the workers
 
 
 class BatchSpec(NamedTuple):

@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..data.workers import held as held_worker_failures
 from ..errors import UsageError
 
 log = logging.getLogger("naflex_accum")
@@ -67,7 +68,11 @@ class _Writer:
 
 
 def save_checkpoint(path: Path, payload: dict) -> None:
-    path = Path(path)
+    with held_worker_failures():  # a loader worker dying meanwhile fails the run after the write, not inside it
+        _save(Path(path), payload)
+
+
+def _save(path: Path, payload: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

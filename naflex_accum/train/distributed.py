@@ -120,17 +120,42 @@ def slurm_master_port(job_id: str) -> int:
     return 10000 + int(re.sub(r"\D", "", job_id) or 0) % 20000
 
 
+def resolve_device(device_arg, world) -> torch.device:
+    """The device this rank trains on: ``--device`` (cpu, cuda, cuda:N), else a GPU if there is one.
+
+    A device that is not there is a ``UsageError`` naming ``--device`` and what there is, before any
+    CUDA call that would fail deep inside torch.
+    """
+    if not device_arg:
+        device_arg = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device_arg)
+    except RuntimeError:
+        raise UsageError(f"--device {device_arg!r} is not a device; valid: cpu, cuda, cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device_arg}: the trainer runs on cpu or cuda (cuda:N)")
+    if device.type == "cpu":
+        return device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise UsageError(f"--device {device_arg}: no CUDA GPU is visible to this process{shown}; use --device cpu, "
+                         f"or leave --device out to use a GPU when there is one")
+    index = world.local_rank if device.index is None else device.index
+    if index >= count:
+        which = f"cuda:{index}" if device.index is not None else f"local rank {index}'s cuda:{index}"
+        raise UsageError(f"--device {device_arg}: {which} is past the last GPU; this machine shows {count} "
+                         f"(cuda:0 to cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
 def init_distributed(device_arg=None, env=None) -> tuple:
     """``(World, torch.device)``; initialises the process group when there is more than one rank."""
     env = os.environ if env is None else env
     world = world_from_env(env)
-    if device_arg:
-        device = torch.device(device_arg)
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device_arg, world)
     if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
     if world.distributed and not dist.is_initialized():
         if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:

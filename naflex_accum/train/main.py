@@ -12,6 +12,7 @@ import logging
 import torch
 from open_clip_train.precision import get_autocast
 
+from ..data.workers import failure as loader_failure, stop_all as stop_workers
 from ..errors import UsageError
 from .checkpoint import load_checkpoint
 from .distributed import init_distributed
@@ -31,9 +32,12 @@ from .zeroshot import due, make_zero_shot
 log = logging.getLogger(LOGGER_NAME)
 
 EXIT_NONFINITE = 3
+EXIT_LOADER = 74  # sysexits' EX_IOERR: the input failed; the saved checkpoints are intact
 # The exit statuses of ``naflex-accum train`` (docs/long-runs.md).
 EXIT_CODES = {0: "finished", 2: "bad setting or unwritable run folder (one line)", EXIT_NONFINITE:
-              "stopped: non-finite loss or weights, nothing saved after it", EXIT_STOPPED:
+              "stopped: non-finite loss or weights, nothing saved after it", EXIT_LOADER:
+              "stopped: a data-loader worker died, raised or stopped answering (one line); nothing saved after "
+              "the last checkpoint; --resume latest continues", EXIT_STOPPED:
               "stopped on request (SIGTERM, SIGUSR1, STOP) after saving; --resume latest continues"}
 
 
@@ -83,7 +87,8 @@ def build_data(args, world, model, device):
         max_tokens_per_batch=args.naflex_max_tokens_per_batch, batch_divisor=args.naflex_batch_divisor,
         patch_sizes=tuple(args.naflex_patch_sizes), num_samples=args.train_num_samples,
         num_image_tokens=args.naflex_num_train_image_tokens, accum_freq=args.accum_freq,
-        seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size, **data_options(args))
+        seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size,
+        timeout=args.data_timeout, **data_options(args))
     train = make_train_loader(cfg, tokenizer, pin_memory=device.type == "cuda")
     val = None
     if args.val_data and world.is_master:
@@ -172,7 +177,16 @@ def _run(args, world, device, claim) -> dict:
         exit_code = EXIT_NONFINITE
         if world.is_master:
             log.error(_nonfinite_message(step, num_steps, saver))
+    except Exception as exc:
+        what = loader_failure(exc)
+        if what is None:
+            raise
+        exit_code = EXIT_LOADER
+        log.error(f"Data loader failed on rank {world.rank}: {what}. The run stopped after optimizer step "
+                  f"{state.global_step} without saving; last good checkpoint: {saver.last_good or 'none'}; "
+                  f"run again with --resume latest (exit {EXIT_LOADER})")
     finally:
+        stop_workers()  # a worker that outlived a failure would hold the process at exit (workers ignore SIGTERM)
         stop.close()
         run_logger.close()
     return {"run_folder": str(paths.root), "metrics": metrics, "epoch": state.epoch,

@@ -37,6 +37,8 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     d.add_argument("--val-batch-size", type=int, default=64)
     d.add_argument("--val-at-start", action="store_true", help="also evaluate before the first step")
     d.add_argument("--workers", type=int, default=2, help="data loader workers per process")
+    d.add_argument("--data-timeout", type=float, default=600.0,
+                   help="seconds the loader workers may send no batch before the run stops (exit 74); 0: no limit")
     d.add_argument("--naflex-seq-lens", type=int, nargs="+", default=[64, 144, 256])
     d.add_argument("--naflex-seq-len-probs", type=float, nargs="+", default=None)
     d.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096)
@@ -212,6 +214,8 @@ def validate(args) -> None:
     check_ints(args, 0, "workers", "warmup", "save_frequency", "save_every_n_steps", "keep_last")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive; got {args.lr}")
+    if not (args.data_timeout >= 0 and args.data_timeout != float("inf")):
+        raise UsageError(f"--data-timeout must be a number of seconds >= 0 (0: no limit); got {args.data_timeout}")
     if args.save_every_n_steps and args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1 with --save-every-n-steps (0 would delete every "
                          "step checkpoint as it is written)")

@@ -137,8 +137,9 @@ FLAGS: Dict[str, Flag] = {
     "--torchcompile": _COMPILE, "--torchcompile-strategy": _COMPILE, "--torchcompile-backend": _COMPILE,
     "--torchcompile-mode": _COMPILE,
     # devices and processes
-    "--device": Flag(W, "cpu, cuda or cuda:N; default cuda when available"),
-    "--workers": Flag(W),
+    "--device": Flag(W, "cpu, cuda or cuda:N; default cuda when available; one not there: one line, exit 2"),
+    "--workers": Flag(W, "they live across epochs (CPU too); one that dies, raises or hangs for --data-timeout "
+                         "seconds ends the run, exit 74"),
     "--dist-url": Flag(R, "the process group comes from torchrun's (or SLURM's) environment"),
     "--dist-backend": Flag(R, "nccl on CUDA, gloo on the CPU, chosen from --device"),
     "--no-set-device-rank": Flag(R, "each rank uses cuda:LOCAL_RANK, or the device --device names"),

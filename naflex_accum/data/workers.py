@@ -1,0 +1,190 @@
+"""Loader worker processes: registered when started, named when they fail, and never outliving the run.
+
+Invariant: every multi-process DataLoader iterator this process starts is
+registered here. torch's SIGCHLD handler raises a dead worker's error at
+once, wherever the main thread is (so a trainer blocked waiting for a batch
+fails at once); inside ``held()`` (a checkpoint write, whose half-written file
+would then fail with an error of its own) the error waits for the block's end,
+or for the loader's next batch. While the main thread waits for a batch, a
+watchdog thread kills the workers once the wait passes ``timeout`` seconds (a
+frozen worker would otherwise hold it for ever, in torch's queue or in the
+descriptor hand-over of its shared memory). ``failure(exc)`` turns torch's
+report of a worker that died (killed by a signal, the OOM killer's SIGKILL
+included, or exited), raised, or was stopped by the watchdog into one line, and
+``stop_all()`` leaves no worker alive: workers ignore SIGTERM (a scheduler
+signals the whole job, and only the main process may decide to stop), so
+multiprocessing's own exit (SIGTERM, then wait) would otherwise wait forever on
+a worker that survived a failure.
+"""
+import atexit
+import contextlib
+import os
+import re
+import signal
+import threading
+import time
+import weakref
+from typing import Optional
+
+_LIVE = weakref.WeakSet()  # DataLoader iterators whose worker processes may be alive
+# Their processes, held strongly: an iterator collected without its workers stopped must not hide them.
+_PROCESSES: list = []
+_PENDING = []  # worker failures torch's SIGCHLD handler reported inside held(), not raised yet
+_HELD = [0]  # how deep inside held() the main thread is
+
+
+class Watch:
+    """One iterator's wait for its next batch: ``with watch.waiting(): next(it)``."""
+
+    def __init__(self, iterator=None, timeout: float = 0.0):
+        self.iterator, self.timeout = iterator, timeout
+        self.since: Optional[float] = None
+        self.expired: Optional[str] = None  # what the watchdog did, once it did
+
+    @contextlib.contextmanager
+    def waiting(self):
+        self.since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.since = None
+
+
+_WATCHES = weakref.WeakSet()
+_WATCHDOG: Optional[threading.Thread] = None
+
+
+def _watchdog() -> None:
+    while True:
+        time.sleep(0.25)
+        for watch in list(_WATCHES):
+            since = watch.since
+            if since is None or watch.expired or time.monotonic() - since < watch.timeout:
+                continue
+            pids = [w.pid for w in watch.iterator._workers if w.is_alive()]
+            watch.expired = (f"the loader workers sent no batch for {watch.timeout:g} s (--data-timeout): stopped "
+                             f"them (pids {', '.join(map(str, pids)) or 'none alive'})")
+            _kill(watch.iterator)
+
+
+def register(iterator, timeout: float = 0.0) -> Watch:
+    """Register a DataLoader iterator (a no-op for an in-process one); its ``Watch``, armed if ``timeout``."""
+    global _WATCHDOG
+    if not getattr(iterator, "_workers", None):
+        return Watch()
+    if not _PROCESSES:
+        # Runs before multiprocessing's own exit handler (registered earlier), which would wait on them.
+        atexit.register(stop_all)
+    _PROCESSES[:] = [p for p in _PROCESSES if p.is_alive()] + [w for w in iterator._workers if w not in _PROCESSES]
+    _LIVE.add(iterator)
+    _defer_sigchld()
+    watch = Watch(iterator, timeout)
+    if timeout > 0:
+        _WATCHES.add(watch)
+        if _WATCHDOG is None:
+            _WATCHDOG = threading.Thread(target=_watchdog, name="naflex-accum-loader-watchdog", daemon=True)
+            _WATCHDOG.start()
+    return watch
+
+
+def _defer_sigchld() -> None:
+    """Wrap the SIGCHLD handler torch set for its workers so that inside ``held()`` it records, not raises."""
+    current = signal.getsignal(signal.SIGCHLD)
+    if getattr(current, "_naflex_accum_defers", False) or not callable(current):
+        return
+
+    def deferring(signum, frame):
+        try:
+            current(signum, frame)
+        except RuntimeError as exc:  # torch's "DataLoader worker (pid N) is killed by signal: ..."
+            if not _HELD[0]:
+                raise
+            _PENDING.append(exc)
+    deferring._naflex_accum_defers = True
+    try:
+        signal.signal(signal.SIGCHLD, deferring)
+    except ValueError:  # not the main thread: torch's handler stays as it is
+        pass
+
+
+def raise_pending() -> None:
+    """Raise a worker failure the SIGCHLD handler recorded (at a point where the loader may fail)."""
+    if _PENDING and not _HELD[0]:
+        raise _PENDING.pop(0)
+
+
+@contextlib.contextmanager
+def held():
+    """A block that a loader worker's failure must not interrupt: it is raised when the block ends."""
+    _HELD[0] += 1
+    try:
+        yield
+    finally:
+        _HELD[0] -= 1
+    raise_pending()
+
+
+def _workers():
+    return [(i, len(it._workers), w) for it in list(_LIVE) for i, w in enumerate(it._workers)]
+
+
+def _ended(index: int, count: int, worker) -> str:
+    code = worker.exitcode
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        how = f"was killed by {name}" + (" (as the OOM killer kills)" if -code == signal.SIGKILL else "")
+    else:
+        how = f"exited with status {code}"
+    return f"loader worker {index} of {count} (pid {worker.pid}) {how}"
+
+
+def failure(exc: BaseException) -> Optional[str]:
+    """One line for a loader worker's failure that ``exc`` reports, or None if it reports none."""
+    text = str(exc)
+    expired = [w.expired for w in list(_WATCHES) if w.expired]
+    if expired and "DataLoader" in text:
+        return expired[0]
+    raised = re.search(r"Caught (\w+) in DataLoader worker process (\d+)", text)
+    if raised:
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        return f"loader worker {raised.group(2)} raised {lines[-1].strip() if lines else raised.group(1)}"
+    if "DataLoader worker" not in text:
+        return None
+    dead = [_ended(i, n, w) for i, n, w in _workers() if w.exitcode not in (None, 0)]
+    return "; ".join(dead) if dead else f"a loader worker ended: {' '.join(text.split())}"
+
+
+def _kill(iterator) -> None:
+    for worker in iterator._workers:
+        if worker.is_alive():
+            try:
+                os.kill(worker.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def stop(iterator) -> None:
+    """SIGKILL the iterator's workers that are still alive, then let it release its queues."""
+    _kill(iterator)
+    try:
+        iterator._shutdown_workers()
+    except Exception:  # its queues may be broken by a failure; the processes are gone either way
+        pass
+    _LIVE.discard(iterator)
+
+
+def stop_all() -> None:
+    """``stop`` every registered iterator, and kill any worker left: none of this process's is left alive."""
+    for it in list(_LIVE):
+        stop(it)
+    for process in _PROCESSES:
+        if process.is_alive():
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.join(timeout=5)
+    _PROCESSES.clear()
