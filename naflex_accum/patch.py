@@ -108,8 +108,7 @@ def is_ours(fn) -> bool:
 
 def is_installed() -> bool:
     """Whether upstream's step is ours right now (never imports open_clip to find out)."""
-    module = sys.modules.get(TARGET_MODULE)
-    return module is not None and is_ours(getattr(module, TARGET_NAME, None))
+    return is_ours(_current())
 
 
 def _make_replacement(original, step: Callable, name: str, found) -> Callable:
@@ -135,17 +134,21 @@ def probe_contract(module, original):
     return probe(module, original)
 
 
+def _current():
+    """``open_clip_train.train._train_step_eager`` as it is now, or None (never imports open_clip to find out)."""
+    module = sys.modules.get(TARGET_MODULE)
+    return getattr(module, TARGET_NAME, None) if module is not None else None
+
+
 def original_step():
     """Upstream's own step as installed (under ours, the one ours replaced); None when there is none."""
-    module = sys.modules.get(TARGET_MODULE)
-    current = getattr(module, TARGET_NAME, None) if module is not None else None
+    current = _current()
     return getattr(current, "__wrapped__", None) if is_ours(current) else current
 
 
 def installed_step():
     """The step object behind the installed replacement (``.contract`` says what it speaks), or None."""
-    module = sys.modules.get(TARGET_MODULE)
-    current = getattr(module, TARGET_NAME, None) if module is not None else None
+    current = _current()
     return current.step if is_ours(current) else None
 
 

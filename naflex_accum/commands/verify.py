@@ -80,20 +80,23 @@ def _task_for(loss: str):
 
 
 def _upstream_problem():
-    """None when upstream's step can be patched here (signature, then the contract probe), else the PatchError."""
+    """``(None, contract)`` when upstream's step can be patched here (signature, then the contract probe), else
+    ``(PatchError, None)``."""
     from ..patch import CONTRACTS, PatchError, contract_problem, import_target, open_clip_version, original_step
     from ..patch import probe_contract
 
     try:
         module = import_target()
     except PatchError as exc:
-        return exc
+        return exc, None
     original = original_step()
     problem = contract_problem(original)
     if problem is not None:
-        return PatchError(open_clip_version(), problem)
+        return PatchError(open_clip_version(), problem), None
     found = probe_contract(module, original)
-    return None if found.problem is None else PatchError(open_clip_version(), found.problem, CONTRACTS)
+    if found.problem is not None:
+        return PatchError(open_clip_version(), found.problem, CONTRACTS), None
+    return None, found.contract
 
 
 def _through_module(module_name: str, attr: str) -> Callable:
@@ -117,14 +120,14 @@ def choose_target(step_spec, loss: str, mode=None) -> Target:
         make_task, task_label = _task_for(loss)
         return Target(load_step(step_spec), f"{step_spec} (as given by --step; nothing patched)",
                       make_task, task_label, upstream=step_spec.startswith(f"{TARGET_MODULE}:"), diagnose=True)
-    problem = _upstream_problem()
+    problem, contract = _upstream_problem()
     if problem is None:
         make_task, task_label = _task_for(loss)
         return Target(_through_module(TARGET_MODULE, TARGET_NAME),
                       f"{TARGET} with naflex_accum.install() in effect (accumulation mode {resolve_mode(mode)}: "
                       f"naflex_accum.{get_step(mode).__name__}), called through its module as train_one_epoch "
                       f"does", make_task, task_label,
-                      context=partial(patched, mode=mode), upstream=True)
+                      context=partial(patched, mode=mode, contract=contract), upstream=True)  # probed just now
     make_task, task_label = _builtin_task(loss)
     if problem.missing:
         note = (f"open_clip_torch {problem.version} has no NaFlex training step ({TARGET} is missing), "
@@ -143,12 +146,17 @@ def run_audit(target: Target, loss: str):
         if target.upstream:
             # --step: the function audited; patched: the original that ours replaced
             target.facts.update(upstream_facts(loss, target.step if target.diagnose else None))
-        return [audit_row(target.step, target.make_task, loss, mode, split, stochastic)
-                for stochastic in (False, True) for mode in MODES for split in VERIFY_SPLITS]
+        results = [audit_row(target.step, target.make_task, loss, mode, split, stochastic)
+                   for stochastic in (False, True) for mode in MODES for split in VERIFY_SPLITS]
+    if target.diagnose:
+        from ..faults import diagnose
+
+        target.facts["fixes"] = diagnose(results, naflex=loss != "coca")
+    return results
 
 
-def _fact_lines(target: Target, loss: str, results) -> List[str]:
-    from ..faults import describe as describe_faults, diagnose
+def _fact_lines(target: Target) -> List[str]:
+    from ..faults import describe as describe_faults
 
     facts, lines = target.facts, []
     if "contract" in facts:
@@ -159,10 +167,8 @@ def _fact_lines(target: Target, loss: str, results) -> List[str]:
                      f"compute_accum_loss): " + (f"verified in CI on {where}" if where else
                                                   "not among the upstream versions CI verified; the rows below "
                                                   "are the check"))
-    if target.diagnose:
-        found = diagnose(results, naflex=loss != "coca")
-        facts["fixes"] = found
-        lines.append(f"this step {describe_faults(found)}")
+    if "fixes" in facts:
+        lines.append(f"this step {describe_faults(facts['fixes'])}")
     return lines
 
 
@@ -182,7 +188,7 @@ def render_text(target: Target, loss: str, version: str, results, seconds: float
              f"step: {target.step_label}",
              f"task: {target.task_label}",
              *[f"note: {n}" for n in target.notes],
-             *_fact_lines(target, loss, results),
+             *_fact_lines(target),
              f"window: examples split into microbatches as shown; reference batch size (--batch-size) "
              f"{REFERENCE_BATCH_SIZE}{dense}; stoch = {STOCHASTIC_NOTE[loss]}",
              "", format_table(results), "",
@@ -205,7 +211,6 @@ def render_json(target: Target, loss: str, version: str, results, seconds: float
 
     rows = [{**{k: finite(v) for k, v in r.__dict__.items()}, "split": list(r.split), "passed": r.passed}
             for r in results]
-    _fact_lines(target, loss, results)  # fills target.facts["fixes"] for --step
     return json.dumps({"open_clip_torch": version, "loss": loss, "step": target.step_label,
                        "task": target.task_label, "notes": target.notes, **target.facts,
                        "reference_batch_size": REFERENCE_BATCH_SIZE,
