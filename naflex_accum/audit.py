@@ -11,7 +11,7 @@ Used by the tests, by ``naflex-accum table`` (the table in docs/equivalence.md) 
 ``naflex-accum verify``.
 """
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -138,6 +138,19 @@ def full_batch_grads(task, batches: List[Dict], seeds: Sequence[int], chunked: b
              for n, p in named_params(task)}
     task.zero_grad(set_to_none=True)
     return grads, losses["loss"].item()
+
+
+@contextmanager
+def isolated_cpu():
+    """A block on tiny CPU models that leaves the caller as it was: the CPU random state forked, one torch
+    thread (fastest for tiny models, and ranks sharing a node do not fight), the thread count restored."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def named_params(task):

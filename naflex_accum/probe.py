@@ -139,9 +139,8 @@ def _run_parts(original, make_task, kind: str, parts: Dict[str, str]) -> Dict[st
 
 def probe(train_module, original, kind: str = "clip", make_task=None) -> Probe:
     """Probe ``original`` (upstream's step) in ``train_module`` with a tiny task of ``kind``."""
-    import torch
-
     from . import upstream_tasks
+    from .audit import isolated_cpu
 
     parts: Dict[str, str] = {}
     unpacked = loop_unpacks(train_module)
@@ -156,16 +155,12 @@ def probe(train_module, original, kind: str = "clip", make_task=None) -> Probe:
             return Probe(None, "open_clip.task has no CLIPTask, SigLIPTask and CoCaTask to probe the contract with",
                          parts)
         make_task = upstream_tasks.task_factory
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        with torch.random.fork_rng(devices=[]):
+        with isolated_cpu():
             found.update(_run_parts(original, make_task, kind, parts))
     except Exception as exc:
         return Probe(None, f"a tiny upstream {kind} task could not be run to probe the contract "
                            f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", parts)
-    finally:
-        torch.set_num_threads(threads)
     return _decide(found, parts)
 
 

@@ -87,19 +87,16 @@ def _audit(args, original) -> Outcome:
 
 def run(args, original) -> Outcome:
     """This rank's audit of the installed step on ``args``'s task; ``original`` is upstream's own step."""
-    import torch
+    from .audit import isolated_cpu
 
-    start, threads = time.time(), torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is fastest, and ranks sharing a node do not fight
+    start = time.time()
     try:
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        with isolated_cpu(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad")  # upstream's step
             outcome = _audit(args, original)
     except Exception as exc:  # building the tiny task failed: the check could not run
         outcome = Outcome(rank=getattr(args, "rank", 0) or 0,
                           error=f"the tiny task could not be built ({type(exc).__name__}: {' '.join(str(exc).split())})")
-    finally:
-        torch.set_num_threads(threads)
     outcome.seconds = time.time() - start
     return outcome
 

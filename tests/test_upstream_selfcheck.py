@@ -51,7 +51,7 @@ def test_a_failing_row_stops_the_run_in_one_line_before_the_run_folder(upstream_
     assert "Traceback" not in proc.stderr
     errors = _errors(proc)
     assert len(errors) == 1 and errors[0] == proc.stderr.strip().splitlines()[-1], tail(proc)
-    assert f"(rank 0: " in errors[0] and row in errors[0]
+    assert "(rank 0: " in errors[0] and row in errors[0]
     assert errors[0].endswith("NAFLEX_ACCUM_VERIFY=0 skips the check.")
     assert not (tmp_path / "logs").exists()
 

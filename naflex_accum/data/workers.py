@@ -64,7 +64,7 @@ def _watchdog() -> None:
             pids = [w.pid for w in watch.iterator._workers if w.is_alive()]
             watch.expired = (f"the loader workers sent no batch for {watch.timeout:g} s (--data-timeout): stopped "
                              f"them (pids {', '.join(map(str, pids)) or 'none alive'})")
-            _kill(watch.iterator)
+            _kill(watch.iterator._workers)
 
 
 def register(iterator, timeout: float = 0.0) -> Watch:
@@ -157,18 +157,19 @@ def failure(exc: BaseException) -> Optional[str]:
     return "; ".join(dead) if dead else f"a loader worker ended: {' '.join(text.split())}"
 
 
-def _kill(iterator) -> None:
-    for worker in iterator._workers:
-        if worker.is_alive():
+def _kill(processes) -> None:
+    """SIGKILL each of ``processes`` (multiprocessing children) that is still alive."""
+    for process in processes:
+        if process.is_alive():
             try:
-                os.kill(worker.pid, signal.SIGKILL)
+                os.kill(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
 
 def stop(iterator) -> None:
     """SIGKILL the iterator's workers that are still alive, then let it release its queues."""
-    _kill(iterator)
+    _kill(iterator._workers)
     try:
         iterator._shutdown_workers()
     except Exception:  # its queues may be broken by a failure; the processes are gone either way
@@ -180,11 +181,7 @@ def stop_all() -> None:
     """``stop`` every registered iterator, and kill any worker left: none of this process's is left alive."""
     for it in list(_LIVE):
         stop(it)
+    _kill(_PROCESSES)
     for process in _PROCESSES:
-        if process.is_alive():
-            try:
-                os.kill(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.join(timeout=5)
+        process.join(timeout=5)
     _PROCESSES.clear()
