@@ -3,6 +3,7 @@ import pytest
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory
 
+from naflex_accum.data.assemble import assemble
 from naflex_accum.data import handover, make_train_loader
 from test_data_common import CharTokenizer, config, demo
 
@@ -55,11 +56,12 @@ def test_a_slot_is_reused_only_when_no_tensor_is_over_it(monkeypatch):
 
 def _expected(loader):
     """The epoch's batches by index, built in this process as each worker builds its share."""
-    out = {}
+    parts = {}
     for worker in range(max(1, loader.cfg.workers)):
-        for batch, meta in loader.stream()._batches(worker):
-            out[meta["index"]] = batch
-    return [out[i] for i in range(len(out))]
+        for part, meta in loader.stream()._batches(worker):
+            parts.setdefault(meta["index"], []).append((part, meta))
+    specs = loader.schedule(0)
+    return [assemble(parts[i], specs[i].batch_size)[0] for i in range(len(parts))]
 
 
 def _equal(a, b):
@@ -111,8 +113,11 @@ def test_without_recycling_batches_travel_in_fresh_memory(shards, monkeypatch):
     stream = loader.stream()
     assert stream.recycle
     stream.recycle = False
-    batches = {meta["index"]: batch for batch, meta in _iterate(_data_loader(stream, 2, False), False,
-                                                                handover.Receiver(stream.flags))}
+    parts = {}
+    for part, meta in _iterate(_data_loader(stream, 2, False), False, handover.Receiver(stream.flags)):
+        parts.setdefault(meta["index"], []).append((part, meta))
+    specs = loader.schedule(0)
+    batches = {i: assemble(pieces, specs[i].batch_size)[0] for i, pieces in parts.items()}
     expected = _expected(loader)
     assert received == [] and sorted(batches) == list(range(len(expected)))
     assert all(_equal(batches[i], b) for i, b in enumerate(expected))

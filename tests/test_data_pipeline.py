@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from naflex_accum.data.assemble import assemble
 from naflex_accum.data import make_train_loader
 from naflex_accum.data.samples import Corruption
 from test_data_common import BUDGET, CharTokenizer, config, decode_text, demo, shard_paths
@@ -71,14 +72,20 @@ def test_ranks_agree_on_schedule_and_count(shards):
 def test_simulated_workers_build_their_share_of_the_schedule(shards):
     loader = make_train_loader(config(shards, workers=3), CharTokenizer())
     specs = loader.schedule(0)
-    seen = {}
+    parts = {}
     for worker in range(3):
         stream = loader.stream()  # what a DataLoader worker runs, driven directly
-        for batch, meta in stream._batches(worker):
-            assert meta["index"] % 3 == worker
-            check_batch(batch, specs[meta["index"]])
-            seen[meta["index"]] = batch
-    assert sorted(seen) == list(range(loader.num_batches))
+        indices = []
+        for part, meta in stream._batches(worker):  # one part of every batch, in order
+            indices.append(meta["index"])
+            parts.setdefault(meta["index"], []).append((part, meta))
+        assert indices == list(range(loader.num_batches))
+    assert sorted(parts) == list(range(loader.num_batches))
+    for index, pieces in parts.items():
+        rows = sorted(row for _, meta in pieces for row in meta["rows"])
+        assert rows == list(range(specs[index].batch_size))  # the workers' rows tile the batch
+        batch, _ = assemble(pieces, specs[index].batch_size)
+        check_batch(batch, specs[index])
 
 
 def test_two_workers_yield_exactly_num_batches_in_order(shards):

@@ -61,6 +61,15 @@ def test_slurm_dry_run_prints_torchrun_and_rendezvous():
             "d/\\{0..3\\}.tar") == lines[1].strip()
 
 
+def test_slurm_requeued_on_another_node_count_passes_it_and_the_data_slots():
+    # a job with --nodes=2-4 requeued onto 2 nodes: torchrun gets 2; the trainer resumes at the new size
+    env = {**SLURM, "NGPU": "8", "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2", "DATA_SLOTS": "48"}
+    proc = run("slurm.sbatch", "--train-data", "d/{0..3}.tar", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "--nnodes 2 --nproc-per-node 8" in proc.stdout
+    assert "--resume latest --data-slots 48 --train-data" in proc.stdout
+
+
 def test_slurm_needs_a_job():
     proc = run("slurm.sbatch", env={"SLURM_JOB_ID": ""})
     assert proc.returncode != 0 and "run under sbatch" in proc.stderr

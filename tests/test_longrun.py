@@ -66,7 +66,7 @@ def test_step_checkpoints_retention_and_exact_resume(setup, tmp_path):
     assert ckpt_names(root) == ["epoch_2.pt", "epoch_latest.pt", "step_6.pt"]
     step6 = torch.load(root / "checkpoints/step_6.pt", weights_only=True)
     assert (step6["epoch"], step6["step_in_epoch"], step6["global_step"]) == (1, 2, 6)
-    assert len(step6["rng_states"]) == 1 and step6["schedule"]["world_size"] == 1
+    assert len(step6["rng_states"]) == 1 and step6["segment"]["world_size"] == 1
     assert torch.load(root / "checkpoints/epoch_latest.pt", weights_only=True)["epoch"] == 2
     assert_identical(weights(root / "checkpoints/epoch_2.pt"), whole)
     # as if killed after step 6: resume latest from it ends where the uninterrupted run did

@@ -70,9 +70,9 @@ def test_limited_flag_takes_upstreams_value_only(option):
 def test_refused_flag_exits_2_with_one_line_from_the_cli(capsys):
     from naflex_accum.cli import main
 
-    assert main(["train", *BASE, "--wandb-project-name", "p"]) == 2
+    assert main(["train", *BASE, "--remote-sync", "s3://bucket"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--wandb-project-name" in err and "tensorboard" in err
+    assert err.count("\n") == 0 and "--remote-sync" in err and "copy logs/NAME yourself" in err
 
 
 def test_refused_flag_in_a_preset_is_refused(tmp_path):

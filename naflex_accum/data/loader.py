@@ -18,7 +18,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..errors import UsageError, check_int
+from .assemble import assemble
 from .handover import Receiver
+from .order import Segment, check_slots, default_slots
 from .pipeline import TrainStream, ValStream
 from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import dataset_size, expand_sources, expand_urls, shard_weights
@@ -134,12 +136,17 @@ class TrainLoader:
             if not num_samples:
                 raise UsageError("one of --train-num-samples or --naflex-num-train-image-tokens is needed to size "
                                  "an epoch (the shards have no open_clip sizes.json listing them all)")
+        self._target = (num_samples, num_tokens)
         self.num_batches = self._plan.num_batches_for(num_samples, num_tokens)
         samples, tokens = self._plan.totals(self.num_batches)
         self.num_samples = samples * cfg.world_size        # global, every epoch alike (stratified schedule)
         self.num_token_slots = tokens * cfg.world_size     # global batch_size * seq_len summed over the epoch
-        # [epoch, start_batch]; in shared memory, so that persistent workers see set_epoch
-        self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self.slots = check_slots(default_slots(cfg.world_size, cfg.workers) if cfg.slots is None else cfg.slots,
+                                 cfg.world_size)
+        self.segment = Segment(0, self.num_batches, cfg.world_size, self.slots)
+        # the segment and start batch (``_write_position``); in shared memory, so persistent workers see set_epoch
+        self._position = torch.zeros(7, dtype=torch.int64).share_memory_()
+        self._write_position(self.segment, 0)
         self._workers = None  # the persistent DataLoader (with workers) and its Receiver
         self._receiver = None
         self.stats = _Counter("--train-data", 0).stats
@@ -149,33 +156,63 @@ class TrainLoader:
 
     @property
     def epoch(self) -> int:
-        return int(self._position[0])
+        return self.segment.epoch
 
     @property
     def start_batch(self) -> int:
         return int(self._position[1])
 
-    def set_epoch(self, epoch: int, start_batch: int = 0):
-        """Iterate epoch ``epoch`` from its batch ``start_batch`` on (a resume inside the epoch).
+    def _write_position(self, segment: Segment, start_batch: int) -> None:
+        values = (segment.epoch, start_batch, segment.base, segment.num_batches, segment.world_size,
+                  segment.slots, segment.first_step)
+        self._position.copy_(torch.tensor(values, dtype=torch.int64))
 
-        The batches yielded are exactly those the whole epoch yields from that index on;
-        the ones before it are skipped without decoding (see ``pipeline``).
+    def set_epoch(self, epoch: int, start_batch: int = 0, segment: Optional[Segment] = None):
+        """Iterate epoch ``epoch`` (or ``segment`` of it) from its batch ``start_batch`` on (a resume inside it).
+
+        The batches yielded are exactly those the whole epoch (segment) yields from that index
+        on; the ones before it are skipped without decoding (see ``pipeline``).
         """
         check_int(epoch, "epoch", 0)
         check_int(start_batch, "start_batch", 0)
-        if start_batch > self.num_batches:
-            raise UsageError(f"cannot start epoch {epoch} at batch {start_batch}: it has {self.num_batches} batches")
-        self._position[0], self._position[1] = epoch, start_batch
+        if segment is None:
+            segment = Segment(epoch, self.num_batches, self.cfg.world_size, self.slots)
+        if segment.world_size != self.cfg.world_size:
+            raise UsageError(f"a segment at world size {segment.world_size} cannot run at {self.cfg.world_size}")
+        check_slots(segment.slots, self.cfg.world_size, "the checkpoint's --data-slots")
+        if start_batch > segment.num_batches:
+            raise UsageError(f"cannot start epoch {epoch} at batch {start_batch}: it has {segment.num_batches} "
+                             f"batches")
+        self.segment = segment
+        self._write_position(segment, start_batch)
+
+    def resized(self, saved: Segment, steps_done: int, samples: int, tokens: int) -> Segment:
+        """The segment at this world size that goes on with ``saved``'s epoch after its step ``steps_done``.
+
+        ``samples`` and ``tokens`` (global, token slots) are what the epoch consumed up to there;
+        the new segment covers what is left of the epoch's ``--train-num-samples`` (or tokens).
+        """
+        saved_steps = max(1, saved.num_batches // self.cfg.accum_freq)
+        progress = saved.progress + (1.0 - saved.progress) * (steps_done - saved.first_step) / saved_steps
+        num_samples, num_tokens = self._target
+        left = num_samples - samples if num_samples is not None else num_tokens - tokens
+        batches = 0 if left <= 0 else (self._plan.num_batches_for(left) if num_samples is not None
+                                       else self._plan.num_batches_for(num_image_tokens=left))
+        return Segment(saved.epoch, batches, self.cfg.world_size, saved.slots, samples, steps_done, progress, tokens)
 
     def schedule(self, epoch: Optional[int] = None) -> List[BatchSpec]:
-        return self._plan.epoch(self.epoch if epoch is None else epoch, self.num_batches)
+        """The batches of the current segment; of epoch ``epoch`` whole when one is given."""
+        if epoch is not None:
+            return self._plan.epoch(epoch, self.num_batches)
+        segment = self.segment
+        return self._plan.epoch(segment.epoch, segment.num_batches, segment.base)
 
     def stream(self, position: Optional[torch.Tensor] = None) -> TrainStream:
         cfg = self.cfg
         position = self._position.clone() if position is None else position
-        return TrainStream(self.urls, self._plan, self.num_batches, position, cfg.rank, cfg.world_size,
-                           cfg.workers, cfg.shuffle_buffer, self.tokenizer, bool(cfg.dataset_resampled),
-                           self.weights, recycle=not (self.pin_memory and torch.cuda.is_available()))
+        return TrainStream(self.urls, self._plan, position, cfg.rank, cfg.workers, cfg.shuffle_buffer,
+                           self.tokenizer, bool(cfg.dataset_resampled), self.weights,
+                           recycle=not (self.pin_memory and torch.cuda.is_available()))
 
     def _source(self) -> Iterator:
         if self.cfg.workers == 0:
@@ -200,24 +237,25 @@ class TrainLoader:
     def iter_meta(self) -> Iterator[Tuple[Dict, Dict]]:
         counter = _Counter(f"--train-data (epoch {self.epoch}, rank {self.cfg.rank})", self.epoch)
         self.stats = counter.stats
+        specs, parts_per_batch = self.schedule(), max(1, self.cfg.workers)
         source = self._source()
         pending, expected = {}, self.start_batch
         try:
-            for batch, meta in source:
-                if batch is None:
+            for part, meta in source:
+                if part is None and "error" in meta:
                     raise UsageError(meta["error"])
                 # The DataLoader delivers in order already; the buffer makes that a guarantee, not an assumption.
-                pending[meta["index"]] = (batch, meta)
-                while expected in pending:
-                    batch, meta = pending.pop(expected)
+                pending.setdefault(meta["index"], []).append((part, meta))
+                while len(pending.get(expected, ())) == parts_per_batch:
+                    batch, meta = assemble(pending.pop(expected), specs[expected].batch_size, self.pin_memory)
                     counter.add(meta, batch)
                     expected += 1
                     yield batch, meta
         finally:
             del source
-        if expected != self.num_batches or pending:
-            raise RuntimeError(f"train loader yielded {expected} of {self.num_batches} batches "
-                               f"({len(pending)} out of order)")
+        if expected != len(specs) or pending:
+            raise RuntimeError(f"train loader yielded {expected} of {len(specs)} batches "
+                               f"({len(pending)} incomplete)")
         counter.close()
 
 

@@ -1,21 +1,24 @@
-"""The worker side: raw samples -> NaFlex batches, one stream per (rank, worker).
+"""The worker side: raw samples -> parts of NaFlex batches, one stream per slot (``order``).
 
-Invariant: worker w of W builds exactly the batches i of the epoch's schedule
-with ``i % W == w`` and ``i >= start_batch``, in order (torch's DataLoader
-round-robin), each filled to its scheduled size from the worker's sample stream,
-whose order is a pure function of ``(seed, epoch, rank, worker)`` and never of
-the batch sizes: a sample that fails to decode is skipped (and reported) and the
-batch takes the next one. The batches before ``start_batch`` are skipped, not
-built: their samples are read and pass the shuffle, and each image gets the
-header check that decoding starts with (``images.inspect``), so a skip counts
-the same samples as undecodable as a decode would whenever the check is what
-fails (a cut-short file, a bad header, too many pixels), and nothing is decoded,
-resized, tokenized or collated. Every yield is ``(batch, meta)``: the batch has
-exactly the keys the model takes, and ``meta`` carries the index and this
-batch's counts (samples, image tokens, corrupt samples and their messages) back
-to the main process. A ``UsageError`` in a worker is sent back as
-``(None, {"error": message})`` so the main process can raise it as one clean line.
-How a worker's batches reach the main process (recycled shared memory) is ``handover``'s.
+Invariant: every worker of a rank yields exactly one part of every batch of the
+segment from ``start_batch`` on, in order (so torch's DataLoader round-robin
+delivers a batch's parts one after another): the rows of the batch whose global
+positions fall in the slots it owns, each filled from that slot's sample stream,
+whose order is a pure function of ``(seed, epoch, slot)`` and never of the batch
+sizes, the world size or the workers: a sample that fails to decode is skipped
+(and reported) and the row takes the slot's next one. What the batches before
+``start_batch`` (and the segments before this one) took is skipped, not built:
+those samples are read and pass the shuffle, and each image gets the header
+check that decoding starts with (``images.inspect``), so a skip counts the same
+samples as undecodable as a decode would whenever the check is what fails (a
+cut-short file, a bad header, too many pixels), and nothing is decoded, resized,
+tokenized or collated. Every yield is ``(part, meta)``: the part has exactly the
+keys the model takes (None for a worker with no rows in that batch), and
+``meta`` carries the batch index, the part's rows and its counts (samples, image
+tokens, corrupt samples and their messages) back to the main process. A
+``UsageError`` in a worker is sent back as ``(None, {"error": message})`` so the
+main process can raise it as one clean line. How a worker's parts reach the
+main process (recycled shared memory) is ``handover``'s.
 """
 import random
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -26,6 +29,7 @@ from ..errors import UsageError
 from ..naflex import collate_images, resize_for_seq
 from .handover import WorkerSlots, fresh_shared, new_flags, pack
 from .images import decode_rgb, inspect
+from .order import Segment, batch_positions, cursors, skipped_before, worker_slots
 from .samples import Corruption, RawSample, sample_stream, shard_samples, shuffled
 from .schedule import BatchSpec, Schedule, derive_seed
 from .shards import shard_order, shard_sampler
@@ -58,12 +62,13 @@ def _take(samples: Iterator[RawSample], count: int, use: Callable, report: Corru
 
 
 def decode_samples(samples: Iterator[RawSample], count: int, seq_len: int, patch_size: int,
-                   report: Corruption, flag: str) -> Tuple[List[torch.Tensor], List[str]]:
-    """Up to ``count`` decoded, resized uint8 images and their captions; failures are skipped and reported."""
+                   report: Corruption, flag: str) -> Tuple[List[torch.Tensor], List[str], List[str]]:
+    """Up to ``count`` decoded, resized uint8 images, their captions and their sample keys (``url#key``);
+    failures are skipped and reported."""
     def use(raw):
-        return resize_for_seq(decode_rgb(raw.data), seq_len, patch_size), raw.caption
-    pairs = _take(samples, count, use, report, flag)
-    return [image for image, _ in pairs], [caption for _, caption in pairs]
+        return resize_for_seq(decode_rgb(raw.data), seq_len, patch_size), raw.caption, f"{raw.url}#{raw.key}"
+    taken = _take(samples, count, use, report, flag)
+    return [t[0] for t in taken], [t[1] for t in taken], [t[2] for t in taken]
 
 
 def skip_samples(samples: Iterator[RawSample], count: int, report: Corruption, flag: str) -> None:
@@ -89,37 +94,43 @@ def _worker() -> Tuple[int, Optional[int]]:
     return (0, None) if info is None else (info.id, info.num_workers)
 
 
-class TrainStream(torch.utils.data.IterableDataset):
-    """One epoch of one rank's batches; in a DataLoader worker, that worker's share of them.
+def _segment(position: torch.Tensor) -> Tuple[Segment, int]:
+    """The segment and start batch a ``TrainLoader`` wrote into ``position`` (see ``TrainLoader.position``)."""
+    epoch, start, base, num_batches, world, slots, first = (int(x) for x in position)
+    return Segment(epoch, num_batches, world, slots, base, first), start
 
-    ``position`` is an int64 tensor ``[epoch, start_batch]``, read at each ``iter``: in
-    shared memory it lets persistent workers follow ``TrainLoader.set_epoch``. With
+
+class TrainStream(torch.utils.data.IterableDataset):
+    """One rank's batches of one epoch segment; in a DataLoader worker, that worker's part of each of them.
+
+    ``position`` is the int64 tensor ``TrainLoader`` writes its segment and start
+    batch into, read at each ``iter``: in shared memory it lets persistent workers
+    follow ``set_epoch``. Each worker reads the slots ``order.worker_slots`` gives it
+    and yields, for every batch from the start batch on, its part: the rows of the
+    batch (positions in it) whose samples come from its slots, collated, with
+    ``meta["rows"]`` saying which (``TrainLoader`` puts the parts together). With
     ``recycle`` (what ``TrainLoader`` asks for unless it pins) patches go into recycled
     shared-memory slots (``handover``), in a worker or in this process alike, and what
     it yields must go through a ``handover.Receiver`` over ``flags``; without it workers
-    write each batch into fresh shared memory, and in this process batches are plain.
+    write each part into fresh shared memory, and in this process parts are plain.
     """
 
-    def __init__(self, urls: Sequence[str], plan: Schedule, num_batches: int, position: torch.Tensor, rank: int,
-                 world_size: int, workers: int, shuffle_buffer: int, tokenizer: Callable,
-                 resampled: bool = False, weights: Optional[Sequence[float]] = None, recycle: bool = False):
+    def __init__(self, urls: Sequence[str], plan: Schedule, position: torch.Tensor, rank: int, workers: int,
+                 shuffle_buffer: int, tokenizer: Callable, resampled: bool = False,
+                 weights: Optional[Sequence[float]] = None, recycle: bool = False):
         super().__init__()
-        self.urls, self.plan, self.num_batches, self.position = list(urls), plan, num_batches, position
-        self.rank, self.world_size, self.workers = rank, world_size, max(1, workers)
+        self.urls, self.plan, self.position = list(urls), plan, position
+        self.rank, self.workers = rank, max(1, workers)
         self.shuffle_buffer, self.tokenize = shuffle_buffer, BatchTokenizer(tokenizer)
         self.resampled, self.weights = resampled, weights
         self.flags, self.recycle = new_flags(self.workers), recycle
         self._slots = None  # this worker's WorkerSlots, made in the worker, kept while it lives
 
-    @property
-    def epoch(self) -> int:
-        return int(self.position[0])
-
     def __iter__(self):
         worker, seen = _worker()
         if seen is not None and seen != self.workers:
             raise RuntimeError(f"TrainStream built for {self.workers} workers runs in a DataLoader with {seen}")
-        epoch, start = (int(x) for x in self.position)
+        segment, start = _segment(self.position)
         if self.recycle:
             if self._slots is None:
                 self._slots = WorkerSlots(self.flags, worker)
@@ -129,40 +140,65 @@ class TrainStream(torch.utils.data.IterableDataset):
         else:
             alloc, send = None, (lambda item: item)
         try:
-            for item in self._batches(worker, epoch, start, alloc):
+            for item in self._batches(worker, segment, start, alloc):
                 yield send(item)
         except UsageError as exc:
             yield None, {"error": str(exc)}
 
-    def samples(self, worker: int, report: Corruption, epoch: Optional[int] = None) -> Iterator[RawSample]:
-        """This (rank, worker)'s endless, shuffled sample stream for the epoch."""
-        seed, epoch = self.plan.seed, self.epoch if epoch is None else epoch
-        slot, num_slots = self.rank * self.workers + worker, self.world_size * self.workers
+    def slot_samples(self, slot: int, slots: int, epoch: int, report: Corruption) -> Iterator[RawSample]:
+        """Slot ``slot`` of ``slots``: its endless, shuffled sample stream for the epoch (``order``)."""
+        seed = self.plan.seed
         if self.resampled:
             shards = shard_sampler(self.urls, self.weights, seed, epoch, slot)
             distinct = len({u for u, w in zip(self.urls, self.weights or [1] * len(self.urls)) if w > 0})
         else:
-            shards, distinct = shard_order(self.urls, seed, epoch, slot, num_slots), len(set(self.urls))
+            shards, distinct = shard_order(self.urls, seed, epoch, slot, slots), len(set(self.urls))
         raw = sample_stream(shards, report, distinct)
-        rng = random.Random(derive_seed("samples", seed, epoch, self.rank, worker))
-        return shuffled(raw, self.shuffle_buffer, rng)
+        return shuffled(raw, self.shuffle_buffer, random.Random(derive_seed("samples", seed, epoch, slot)))
 
-    def _batches(self, worker: int, epoch: Optional[int] = None, start: int = 0,
+    def _batches(self, worker: int, segment: Optional[Segment] = None, start: Optional[int] = None,
                  alloc: Optional[Callable[[int], torch.Tensor]] = None):
-        epoch = self.epoch if epoch is None else epoch
-        specs = self.plan.epoch(epoch, self.num_batches)
+        if segment is None:
+            segment, start = _segment(self.position)
+        specs = self.plan.epoch(segment.epoch, segment.num_batches, segment.base)
+        firsts = cursors([spec.batch_size for spec in specs])
         report = Corruption()
-        samples = self.samples(worker, report, epoch)
+        owned = worker_slots(segment, self.rank, worker, self.workers)
+        streams = {slot: self.slot_samples(slot, segment.slots, segment.epoch, report) for slot in owned}
+        start = start or 0
+        if start < len(specs):  # what the batches before ``start`` took is skipped, header checks only
+            resume_at = segment.base + segment.world_size * firsts[start]
+            for slot, samples in streams.items():
+                skip_samples(samples, skipped_before(resume_at, slot, segment.slots), report, "--train-data")
         flatten = not self.plan.multi_patch
-        for index in range(worker, self.num_batches, self.workers):
+        for index in range(start, len(specs)):
             spec: BatchSpec = specs[index]
-            if index < start:
-                skip_samples(samples, spec.batch_size, report, "--train-data")
+            rows = {slot: [] for slot in owned}
+            for row, position in enumerate(batch_positions(segment, self.rank, firsts[index], spec.batch_size)):
+                if position % segment.slots in rows:
+                    rows[position % segment.slots].append(row)
+            part = _part(streams, rows, spec, report)
+            if part is None:
+                corrupt, messages = report.drain()
+                yield None, {"index": index, "rows": [], "corrupt": corrupt, "messages": messages}
                 continue
-            images, captions = decode_samples(samples, spec.batch_size, spec.seq_len, spec.patch_size,
-                                              report, "--train-data")
+            order, images, captions, keys = part
             batch = make_batch(images, captions, spec.seq_len, spec.patch_size, flatten, self.tokenize, alloc)
-            yield batch, batch_meta(index, batch, report)
+            yield batch, dict(batch_meta(index, batch, report), rows=order, keys=keys)
+
+
+def _part(streams: Dict, rows: Dict[int, List[int]], spec: BatchSpec, report: Corruption):
+    """``(rows, images, captions, keys)`` of one worker's part of a batch, rows ascending; None when it has none."""
+    taken = []
+    for slot, slot_rows in rows.items():
+        if slot_rows:
+            images, captions, keys = decode_samples(streams[slot], len(slot_rows), spec.seq_len, spec.patch_size,
+                                                    report, "--train-data")
+            taken.extend(zip(slot_rows, images, captions, keys))
+    if not taken:
+        return None
+    taken.sort(key=lambda item: item[0])
+    return tuple([item[i] for item in taken] for i in range(4))
 
 
 class ValStream(torch.utils.data.IterableDataset):
@@ -180,7 +216,7 @@ class ValStream(torch.utils.data.IterableDataset):
         index = worker
         try:
             while True:
-                images, captions = decode_samples(samples, self.batch_size, self.seq_len, self.patch_size,
+                images, captions, _ = decode_samples(samples, self.batch_size, self.seq_len, self.patch_size,
                                                   report, "--val-data")
                 if not images:
                     break

@@ -39,6 +39,7 @@ class DataConfig:
     dataset_resampled: bool = False                 # --dataset-resampled (open_clip's default: off)
     upsampling_factors: Optional[Sequence[float]] = None  # --train-data-upsampling-factors: one per '::' source
     timeout: float = 600.0                          # --data-timeout: seconds without a batch from the workers
+    slots: Optional[int] = None                     # --data-slots: the global order's slots (None: world * workers)
 
 
 class BatchSpec(NamedTuple):
@@ -143,8 +144,11 @@ class Schedule:
             n -= step
         return n
 
-    def epoch(self, epoch: int, num_batches: int) -> List[BatchSpec]:
-        rng = random.Random(derive_seed("schedule", self.seed, epoch))
+    def epoch(self, epoch: int, num_batches: int, base: int = 0) -> List[BatchSpec]:
+        """The batches of epoch ``epoch``; from ``base`` > 0 (a segment after a world-size change, see
+        ``order``), the schedule of the rest of the epoch, with a seed of its own."""
+        parts = ("schedule", self.seed, epoch) if base == 0 else ("schedule", self.seed, epoch, base)
+        rng = random.Random(derive_seed(*parts))
         seq_lens = [s for s, c in zip(self.seq_lens, self.counts(num_batches)) for _ in range(c)]
         rng.shuffle(seq_lens)
         patch_sizes = [self.patch_sizes[i % len(self.patch_sizes)] for i in range(num_batches)]

@@ -1,4 +1,4 @@
-"""Console, ``out.log`` and tensorboard logging of a run, on rank 0 only.
+"""Console, ``out.log``, tensorboard and wandb logging of a run, on rank 0 only.
 
 Invariants: every rank runs the same code, but only rank 0 writes (files,
 tensorboard events, console lines); the console line keeps open_clip's shape
@@ -62,12 +62,12 @@ class Meter(AverageMeter):
 
 
 class RunLogger:
-    """Step and eval metrics to the console, out.log and (optionally) tensorboard."""
+    """Step and eval metrics to the console, out.log and (optionally) tensorboard and a wandb run."""
 
-    def __init__(self, logger: logging.Logger, is_master: bool, tensorboard_dir=None):
+    def __init__(self, logger: logging.Logger, is_master: bool, tensorboard_dir=None, wandb_run=None):
         self.log = logger
         self.is_master = is_master
-        self.writer = None
+        self.writer, self.wandb = None, wandb_run
         if is_master and tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
             try:
@@ -118,6 +118,8 @@ class RunLogger:
         self._console_line(epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps)
 
     def _scalars(self, prefix: str, scalars: dict, global_step: int):
+        if self.wandb is not None:  # the same names and steps as tensorboard's
+            self.wandb.log({f"{prefix}/{key}": value for key, value in scalars.items()}, step=global_step)
         if self.writer is None:
             return
         try:
@@ -156,6 +158,9 @@ class RunLogger:
 
     def close(self):
         self.end_epoch(complete=False)  # an epoch still open here was left by an error
+        if self.wandb is not None:
+            run, self.wandb = self.wandb, None
+            run.finish()
         if self.writer is not None:
             writer, self.writer = self.writer, None
             try:

@@ -12,16 +12,20 @@ epoch resumed at step S skips the data of steps < S and restores the random
 state saved at S, so it trains exactly as the uninterrupted epoch would have.
 """
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
+from ..data.order import Segment
 from ..errors import UsageError
 from ..rng import RngState
 from ..scales import window_loss_scale
 from .preempt import Preempted
+
+log = logging.getLogger("naflex_accum")
 
 
 @dataclass
@@ -36,6 +40,10 @@ class TrainState:
     step_in_epoch: int = 0  # where the current epoch starts (a resume), and the position a mid-epoch save records
     rng_state: Optional[dict] = None  # this rank's, from a mid-epoch checkpoint
     sizes_checked: bool = False
+    segment: Optional[Segment] = None  # the part of the epoch being run (data.order); from a resume, the saved one
+    epoch_samples: int = 0  # global samples (and token slots) the epoch consumed so far
+    epoch_tokens: int = 0
+    lr_steps_per_epoch: int = 0  # the steps per epoch the learning-rate schedule was laid out with
 
 
 @dataclass
@@ -52,9 +60,26 @@ class Loop:
     saver: Any    # saver.Saver
 
 
-def epoch_seed(seed: int, epoch: int, rank: int) -> int:
-    """Per-(epoch, rank) seed for dropout-style randomness, so a resumed epoch draws what it would have."""
-    return (seed * 1_000_003 + epoch * 10_007 + rank) % (2 ** 63)
+def epoch_seed(seed: int, epoch: int, rank: int, base: int = 0) -> int:
+    """Per-(epoch, rank) seed for dropout-style randomness, so a resumed epoch draws what it would have.
+
+    A segment after a world-size change (``base`` > 0) gets seeds of its own: the saved ranks'
+    streams do not map onto the new ranks.
+    """
+    return (seed * 1_000_003 + epoch * 10_007 + rank + base * 7_919_111) % (2 ** 63)
+
+
+def lr_position(state, segment: Segment, step: int, k: int) -> float:
+    """Where segment step ``step`` is in the learning-rate schedule, in the schedule's own steps.
+
+    The fraction of the epoch done is the segment's starting fraction plus its share of the
+    rest, by steps of the segment: within an epoch run at one world size that is the step
+    itself; across a world-size change it goes on from where the saved run was.
+    """
+    ref, steps = state.lr_steps_per_epoch, max(1, segment.num_batches // k)
+    if segment.progress == 0.0 and ref == steps:
+        return ref * state.epoch + step
+    return ref * (state.epoch + segment.progress + (1.0 - segment.progress) * step / steps)
 
 
 def check_sizes_agree(sizes, world) -> None:
@@ -64,10 +89,30 @@ def check_sizes_agree(sizes, world) -> None:
             f"window scale would too; every rank must follow the same (seeded) NaFlex schedule")
 
 
+def _position(state, loader, k: int) -> int:
+    """Put the loader at the state's place in the epoch; returns the segment's first batch to run."""
+    saved = state.segment
+    if saved is None or saved.epoch != state.epoch:
+        loader.set_epoch(state.epoch)
+        state.segment = loader.segment
+        return 0
+    if saved.world_size != loader.cfg.world_size:  # elastic: the rest of the epoch at this world size
+        state.segment = loader.resized(saved, state.step_in_epoch, state.epoch_samples, state.epoch_tokens)
+        state.rng_state = None
+        loader.set_epoch(state.epoch, 0, state.segment)
+        log.info(f"Epoch {state.epoch} goes on at world size {loader.cfg.world_size} (saved at "
+                 f"{saved.world_size}) from global sample {state.segment.base}: "
+                 f"{state.segment.num_batches // k} more steps; dropout streams reseeded for the new ranks")
+        return 0
+    start = (state.step_in_epoch - saved.first_step) * k
+    loader.set_epoch(state.epoch, start, saved)
+    return start
+
+
 def _start_epoch(state, loader, args, world):
     """Seed, position the data, restore a mid-epoch random state; returns the ``(batch, meta)`` iterator."""
-    torch.manual_seed(epoch_seed(args.seed, state.epoch, world.rank))
-    loader.set_epoch(state.epoch, start_batch=state.step_in_epoch * args.accum_freq)
+    start = _position(state, loader, args.accum_freq)
+    torch.manual_seed(epoch_seed(args.seed, state.epoch, world.rank, state.segment.base))
     batches = loader.iter_meta()
     # A DataLoader draws its workers' base seed from the global generator when its iterator starts: keep
     # that draw out of the stream the model sees, wherever in the epoch the iterator starts.
@@ -76,28 +121,31 @@ def _start_epoch(state, loader, args, world):
     if state.rng_state is not None:
         RngState.from_dict(state.rng_state).restore()
     state.task.train()
-    return batches if first is None else itertools.chain([first], batches)
+    return start, (batches if first is None else itertools.chain([first], batches))
 
 
 def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
     args, world, task, k = loop.args, loop.world, state.task, loop.args.accum_freq
-    num_steps = loader.num_batches // k
-    start = state.step_in_epoch * k
-    epoch_samples = sum(spec.batch_size for spec in loader.schedule(state.epoch)[:start]) * world.world_size
-    batches = _start_epoch(state, loader, args, world)
+    start, batches = _start_epoch(state, loader, args, world)
+    segment, specs = state.segment, loader.schedule()
+    seg_steps = segment.num_batches // k
+    num_steps = segment.first_step + seg_steps
+    state.epoch_samples = segment.base + sum(spec.batch_size for spec in specs[:start]) * world.world_size
+    state.epoch_tokens = segment.base_tokens + sum(s.batch_size * s.seq_len for s in specs[:start]) * world.world_size
     loop.logger.start_epoch(state.epoch, num_steps - state.step_in_epoch)
     accum_state = ([], {}) if k > 1 else None
     sizes, tokens, data_time = [], 0, 0.0
     end = time.time()
     for batch, meta in batches:
         i = meta["index"]
-        if i >= num_steps * k:
+        if i >= seg_steps * k:
             break  # a trailing partial window would never step
-        lr = state.scheduler(num_steps * state.epoch + i // k)
+        lr = state.scheduler(lr_position(state, segment, i // k, k))
         batch = task.prepare_batch(batch, loop.device)
         data_time += time.time() - end
         sizes.append(meta["samples"])
         tokens += meta["image_tokens"]
+        state.epoch_tokens += specs[i].batch_size * specs[i].seq_len * world.world_size
         if not state.sizes_checked and len(sizes) == k:
             check_sizes_agree(sizes, world)
             state.sizes_checked = True
@@ -106,9 +154,10 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
             losses, report, step_batch_size, accum_state = result
             state.global_step += 1
             state.samples_seen += step_batch_size * world.world_size
-            epoch_samples += step_batch_size * world.world_size
+            state.epoch_samples += step_batch_size * world.world_size
             loop.monitor.add(state.global_step, losses, report, sum(sizes), tokens, data_time)
-            after_step(state, loop, i // k + 1, num_steps, sizes, lr, epoch_samples, loader.num_samples)
+            after_step(state, loop, segment.first_step + i // k + 1, num_steps, sizes, lr, state.epoch_samples,
+                       loader.num_samples)
             sizes, tokens, data_time = [], 0, 0.0
         end = time.time()
     state.step_in_epoch, state.rng_state = 0, None

@@ -25,7 +25,8 @@ from .monitor import NonFiniteLoss, StepMonitor
 from .params import parse_args
 from .preempt import EXIT_STOPPED, Preempted, StopRequest
 from .resume import restore
-from .rundir import QuietUsageError, claim_run, create_run_folder
+from .report import open_wandb, sinks
+from .rundir import QuietUsageError, claim_run, create_run_folder, on_master
 from .saver import NonFiniteWeights, Saver
 from .zeroshot import due, make_zero_shot
 
@@ -88,7 +89,7 @@ def build_data(args, world, model, device):
         patch_sizes=tuple(args.naflex_patch_sizes), num_samples=args.train_num_samples,
         num_image_tokens=args.naflex_num_train_image_tokens, accum_freq=args.accum_freq,
         seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size,
-        timeout=args.data_timeout, **data_options(args))
+        timeout=args.data_timeout, slots=args.data_slots, **data_options(args))
     train = make_train_loader(cfg, tokenizer, pin_memory=device.type == "cuda")
     val = None
     if args.val_data and world.is_master:
@@ -117,6 +118,15 @@ def _nonfinite_message(step: int, num_steps: int, saver: Saver) -> str:
             f"without saving; {then} (exit {EXIT_NONFINITE})")
 
 
+def _wandb_run(args, world, paths):
+    """Rank 0's wandb run when ``--report-to`` names wandb (every rank takes part in the outcome)."""
+    if "wandb" not in sinks(args.report_to):
+        return None
+    opened = {}
+    on_master(world, lambda: opened.update(run=open_wandb(args, paths.root)))
+    return opened.get("run")
+
+
 def run(args, world, device) -> dict:
     setup_logging(None, world.is_master)
     claim = claim_run(args, world)
@@ -133,16 +143,19 @@ def _run(args, world, device, claim) -> dict:
     optimizer = build_optimizer(model, args)
     scaler = torch.amp.GradScaler(device.type) if args.precision == "amp" else None
     num_steps = train_data.num_batches // args.accum_freq
-    state = TrainState(task, optimizer, scaler, make_scheduler(optimizer, args.lr, args.warmup,
-                                                               num_steps * args.epochs, args.lr_scheduler))
+    state = TrainState(task, optimizer, scaler, scheduler=None, lr_steps_per_epoch=num_steps)
     if claim.resume is not None:
         _resume(state, model, claim, args, world)
+    # laid out once for the run: a resume at another world size keeps the saved steps per epoch (loop.lr_position)
+    state.scheduler = make_scheduler(optimizer, args.lr, args.warmup, state.lr_steps_per_epoch * args.epochs,
+                                     args.lr_scheduler)
     create_run_folder(claim, args, world)  # everything above is checked: only now is the folder made or changed
     setup_logging(paths.log_file if world.is_master else None, world.is_master)
     stop = StopRequest(paths.stop_file, world)
     stop.clear()
     saver = Saver(paths, args, world, model, last_good=claim.resume)
-    run_logger = RunLogger(log, world.is_master, paths.tensorboard if args.report_to == "tensorboard" else None)
+    run_logger = RunLogger(log, world.is_master, paths.tensorboard if "tensorboard" in sinks(args.report_to)
+                           else None, _wandb_run(args, world, paths))
     autocast, metrics, exit_code = get_autocast(args.precision, device.type), {}, 0
     loop = Loop(args, world, device, autocast, select_step(args), run_logger, stop, StepMonitor(device, world),
                 saver)
@@ -202,6 +215,11 @@ def train(argv=None, prog="naflex-accum train") -> dict:
     world, device = init_distributed(args.device)
     try:
         result = run(args, world, device)
+    except UsageError as exc:
+        if world.distributed and not world.is_master and not isinstance(exc, QuietUsageError):
+            # the flags and the checkpoint are every rank's: rank 0 meets the same error and prints it
+            raise QuietUsageError(str(exc)) from None
+        raise
     finally:
         if world.distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -213,8 +231,10 @@ def print_footer(result: dict) -> None:
     if not result["is_master"]:
         return
     print(f"Run folder: {result['run_folder']}")
-    if result["report_to"] == "tensorboard":
+    if "tensorboard" in sinks(result["report_to"]):
         print(f"Tensorboard: tensorboard --logdir {result['run_folder']}/tensorboard")
+    if "wandb" in sinks(result["report_to"]):
+        print(f"wandb: {result['run_folder']}/wandb (offline runs: wandb sync {result['run_folder']}/wandb/offline-run-*)")
 
 
 def main(argv=None, prog="naflex-accum train") -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..errors import OneLineParser, UsageError, check_int, check_ints
+from .report import check_wandb
 from ..modes import DEFAULT_MODE
 from ..modes import MODES as MODES_ACCUM
 from ..scales import MODES, check_options
@@ -39,6 +40,9 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=2, help="data loader workers per process")
     d.add_argument("--data-timeout", type=float, default=600.0,
                    help="seconds the loader workers may send no batch before the run stops (exit 74); 0: no limit")
+    d.add_argument("--data-slots", type=int, default=None,
+                   help="slots of the global sample order (a multiple of every world size the run may have; "
+                        "default: world size x --workers at the start); kept by a resume inside an epoch")
     d.add_argument("--naflex-seq-lens", type=int, nargs="+", default=[64, 144, 256])
     d.add_argument("--naflex-seq-len-probs", type=float, nargs="+", default=None)
     d.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096)
@@ -89,7 +93,10 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     r.add_argument("--check-every-n-steps", type=int, default=10,
                    help="every N optimizer steps at least, all ranks agree on stop requests and check the loss "
                         "is finite (one all-reduce and one device read; logging and saving steps always check)")
-    r.add_argument("--report-to", default="", help="'tensorboard' or '' (none)")
+    r.add_argument("--report-to", default="", help="'tensorboard', 'wandb', 'all', a comma-joined list, or '' "
+                   "(none); wandb needs pip install 'naflex-accum[wandb]'")
+    r.add_argument("--wandb-project-name", default="open-clip", help="the wandb project (open_clip's default)")
+    r.add_argument("--wandb-notes", default="", help="notes for the wandb run")
     r.add_argument("--log-every-n-steps", type=int, default=100)
     finetune.add_args(p)
     return p
@@ -210,7 +217,7 @@ def validate(args) -> None:
         raise UsageError("--train-data is required: webdataset shards, e.g. 'data/train-{0000..0009}.tar'")
     check_ints(args, 1, "accum_freq", "epochs", "naflex_max_tokens_per_batch", "naflex_batch_divisor",
                "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
-               "val_seq_len", "check_every_n_steps")
+               "val_seq_len", "check_every_n_steps", "data_slots")
     check_ints(args, 0, "workers", "warmup", "save_frequency", "save_every_n_steps", "keep_last")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive; got {args.lr}")
@@ -236,8 +243,7 @@ def validate(args) -> None:
     if args.naflex_seq_len_probs is not None and len(args.naflex_seq_len_probs) != len(args.naflex_seq_lens):
         raise UsageError(f"--naflex-seq-len-probs needs one weight per --naflex-seq-lens value "
                          f"({len(args.naflex_seq_lens)}); got {len(args.naflex_seq_len_probs)}")
-    if args.report_to not in ("", "tensorboard", "none"):
-        raise UsageError(f"--report-to {args.report_to!r}: valid values are 'tensorboard' or '' (none)")
+    check_wandb(args.report_to)  # also refuses values that name no sink
     if args.siglip and (args.local_loss or args.gather_with_grad):
         raise UsageError("--local-loss and --gather-with-grad apply to the CLIP loss, not --siglip")
     if args.name is not None and (not args.name or "/" in args.name or args.name in (".", "..")):

@@ -1,18 +1,25 @@
 """Training state to a checkpoint payload and back, with the checks that make a resume exact or refused.
 
 Invariants: a payload holds everything the rest of the run depends on: model,
-optimizer and scaler state, counters, and, inside an epoch, the position in
-it, every rank's random state and the settings that decide which batches the
-epoch yields (``SCHEDULE_FLAGS`` and the world size); a resume that would not
-continue the same run (a checkpoint that does not fit the model, an epoch
-resumed under other schedule settings) is a one-line ``UsageError`` naming the
-first differences, raised before the run folder is touched.
+optimizer and scaler state, counters, the steps per epoch the learning-rate
+schedule was laid out with, and, inside an epoch, the position in it (the
+segment, ``data.order``, and the samples and tokens consumed), every rank's
+random state and the settings that decide which batches the epoch yields
+(``SCHEDULE_FLAGS``). The world size and ``--workers`` may differ on resume: at
+the saved world size the epoch goes on exactly as uninterrupted; at another one
+it goes on in the same global sample order (no sample twice, none skipped), with
+fresh random streams. A resume that would not continue the same run (a
+checkpoint that does not fit the model, an epoch resumed under other schedule
+settings, a world size that does not divide the saved ``--data-slots``) is a
+one-line ``UsageError`` naming the first differences, raised before the run
+folder is touched.
 """
 import logging
 from typing import Optional
 
 import torch
 
+from ..data.order import Segment, check_slots
 from ..errors import UsageError
 from ..rng import RngState
 from .finetune import mismatch
@@ -20,16 +27,15 @@ from .finetune import mismatch
 log = logging.getLogger("naflex_accum")
 
 # The flags that decide the batches of an epoch, and so which batch a saved step continues at.
+# Neither the world size nor --workers is among them: the epoch's sample order depends on neither (data.order).
 SCHEDULE_FLAGS = ("accum_freq", "naflex_max_tokens_per_batch", "naflex_seq_lens", "naflex_seq_len_probs",
                   "naflex_patch_sizes", "naflex_batch_divisor", "train_num_samples",
-                  "naflex_num_train_image_tokens", "workers", "seed", "dataset_resampled",
+                  "naflex_num_train_image_tokens", "seed", "dataset_resampled",
                   "train_data_upsampling_factors")
 
 
 def schedule_settings(args, world) -> dict:
-    settings = {name: _plain(getattr(args, name)) for name in SCHEDULE_FLAGS if hasattr(args, name)}
-    settings["world_size"] = world.world_size
-    return settings
+    return {name: _plain(getattr(args, name)) for name in SCHEDULE_FLAGS if hasattr(args, name)}
 
 
 def _plain(value):
@@ -37,13 +43,13 @@ def _plain(value):
 
 
 def _flag(name: str) -> str:
-    return "world size" if name == "world_size" else "--" + name.replace("_", "-")
+    return "--" + name.replace("_", "-")
 
 
 def epoch_payload(state, model, args) -> dict:
     """The state at an epoch boundary (open_clip's checkpoint keys)."""
     return {"epoch": state.epoch, "global_step": state.global_step, "samples_seen": state.samples_seen,
-            "name": args.name, "state_dict": model.state_dict(), "optimizer": state.optimizer.state_dict(),
+            "lr_steps_per_epoch": state.lr_steps_per_epoch, "name": args.name, "state_dict": model.state_dict(), "optimizer": state.optimizer.state_dict(),
             "scaler": state.scaler.state_dict() if state.scaler is not None else None}
 
 
@@ -56,7 +62,8 @@ def mid_epoch_payload(state, model, args, world, rng_states) -> dict:
     """The state after step ``state.step_in_epoch`` of epoch ``state.epoch``."""
     payload = epoch_payload(state, model, args)
     payload.update(step_in_epoch=state.step_in_epoch, rng_states=rng_states,
-                   schedule=schedule_settings(args, world))
+                   schedule=schedule_settings(args, world), segment=state.segment.to_dict(),
+                   epoch_samples=state.epoch_samples, epoch_tokens=state.epoch_tokens)
     return payload
 
 
@@ -83,15 +90,33 @@ def check_schedule(saved: Optional[dict], args, world, where: str, step: int, ep
                          f"the saved settings, or from an epoch_K.pt checkpoint")
 
 
+def _saved_segment(payload: dict, where: str, args, world) -> Segment:
+    """The segment a mid-epoch payload was saved in, checked against this run's world size and flags."""
+    step_in_epoch, epoch = int(payload["step_in_epoch"]), int(payload["epoch"])
+    check_schedule(payload.get("schedule"), args, world, where, step_in_epoch, epoch)
+    if "segment" not in payload:
+        raise UsageError(f"{where} was saved inside epoch {epoch} by a naflex-accum without the global data "
+                         f"order, whose batches this version cannot rebuild; resume from an epoch_K.pt checkpoint")
+    segment = Segment.from_dict(payload["segment"])
+    if segment.world_size != world.world_size:
+        check_slots(segment.slots, world.world_size, f"{where}: saved at world size {segment.world_size} with "
+                                                     f"--data-slots")
+        slots = getattr(args, "data_slots", None)
+        if slots is not None and slots != segment.slots:
+            raise UsageError(f"{where} was saved inside epoch {epoch} with --data-slots {segment.slots} (now "
+                             f"{slots}): the rest of the epoch needs its order; drop --data-slots or resume "
+                             f"from an epoch_K.pt checkpoint")
+    elif len(payload["rng_states"]) != world.world_size:
+        raise UsageError(f"{where}: saved by {len(payload['rng_states'])} ranks at world size "
+                         f"{segment.world_size}: the checkpoint is inconsistent; resume from another one")
+    return segment
+
+
 def restore(state, model, payload: dict, where: str, args, world) -> None:
-    """Load ``payload`` into the model and ``state``; for a mid-epoch payload, also this rank's random state."""
+    """Load ``payload`` into the model and ``state``; for a mid-epoch payload, where the epoch stopped
+    (``state.segment``), and this rank's random state when the world size is the saved one."""
     step_in_epoch, epoch = int(payload.get("step_in_epoch", 0)), int(payload["epoch"])
-    rng_states = payload.get("rng_states") if step_in_epoch else None
-    if rng_states is not None:
-        check_schedule(payload.get("schedule"), args, world, where, step_in_epoch, epoch)
-        if len(rng_states) != world.world_size:
-            raise UsageError(f"{where}: saved inside an epoch by {len(rng_states)} ranks; resume it with the "
-                             f"same world size, or from an epoch_K.pt checkpoint")
+    segment = _saved_segment(payload, where, args, world) if step_in_epoch else None
     model.load_state_dict(check_fits(model, payload["state_dict"], where, args.model))
     try:
         state.optimizer.load_state_dict(payload["optimizer"])
@@ -102,7 +127,12 @@ def restore(state, model, payload: dict, where: str, args, world) -> None:
     state.epoch, state.step_in_epoch = epoch, step_in_epoch
     state.global_step = int(payload.get("global_step", 0))
     state.samples_seen = int(payload.get("samples_seen", 0))
-    state.rng_state = rng_states[world.rank] if rng_states is not None else None
+    state.lr_steps_per_epoch = int(payload.get("lr_steps_per_epoch") or state.lr_steps_per_epoch)
+    state.segment, state.rng_state = segment, None
+    if segment is not None:
+        state.epoch_samples, state.epoch_tokens = int(payload["epoch_samples"]), int(payload["epoch_tokens"])
+        if segment.world_size == world.world_size:
+            state.rng_state = payload["rng_states"][world.rank]
     inside = f", step {step_in_epoch} of epoch {epoch}" if step_in_epoch else ""
     log.info(f"Resumed {where} at epoch {epoch}, global step {state.global_step}{inside}")
 

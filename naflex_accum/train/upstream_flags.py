@@ -24,8 +24,6 @@ class Flag(NamedTuple):
 W, L, R = "works", "limited", "refused"
 _AUDIO = Flag(R, "audio models (CLAP) are not trained here: image-text CLIP/SigLIP only")
 _CSV = Flag(R, "csv data is not read here: webdataset shards only")
-_WANDB = Flag(R, "wandb is not a dependency: tensorboard events go to logs/NAME/tensorboard "
-                 "(`wandb sync --sync-tensorboard` uploads them)")
 _COMPILE = Flag(R, "torch.compile is not wired into this trainer (each microbatch has its own NaFlex shape)")
 _FSDP = Flag(R, "FSDP is not wired into this trainer (DDP only); the step itself is verified under FSDP2, "
                  "for your own loop")
@@ -62,8 +60,9 @@ FLAGS: Dict[str, Flag] = {
     # run folder and logging
     "--logs": Flag(W), "--name": Flag(W),
     "--log-local": Flag(R, "only global rank 0 writes logs"),
-    "--report-to": Flag(L, "tensorboard only; " + _WANDB.note, ("tensorboard", "", "none")),
-    "--wandb-notes": _WANDB, "--wandb-project-name": _WANDB,
+    "--report-to": Flag(W, "wandb needs the extra: pip install 'naflex-accum[wandb]'; its files go to "
+                           "logs/NAME/wandb"),
+    "--wandb-notes": Flag(W), "--wandb-project-name": Flag(W),
     "--debug": Flag(R, "there is no debug logging mode"),
     "--copy-codebase": Flag(R, "the code is an installed package; params.txt records the flags"),
     "--log-every-n-steps": Flag(W),

@@ -1,0 +1,116 @@
+"""The global sample order (data.order): independent of the workers and the world size; resized segments."""
+import pytest
+import torch
+
+from naflex_accum.data import make_train_loader
+from naflex_accum.data.order import Segment, check_slots, rank_slots, skipped_before, worker_slots
+from naflex_accum.errors import UsageError
+from test_data_common import CharTokenizer, config, demo
+
+SLOTS = 6
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return demo(tmp_path_factory.mktemp("order"), num=240, val=8, shard_size=10)[0]
+
+
+def loader(shards, world=1, rank=0, workers=0, **kw):
+    # A slot holds 40 samples a pass: a buffer of 8 keeps an epoch's reads in one pass (no sample twice).
+    kw.setdefault("shuffle_buffer", 8)
+    return make_train_loader(config(shards, world_size=world, rank=rank, workers=workers, slots=SLOTS, **kw),
+                             CharTokenizer())
+
+
+def run(ld, epoch=0, start=0, segment=None):
+    ld.set_epoch(epoch, start, segment)
+    return list(ld.iter_meta())
+
+
+def global_order(shards, count):
+    """The first ``count`` samples of epoch 0's global order: what one rank of world size 1 reads."""
+    keys, ld = [], loader(shards, num_samples=count)  # reads past one pass: the prefix compared is within it
+    for _, meta in run(ld):
+        keys.extend(meta["keys"])
+    assert len(keys) >= count
+    return keys
+
+
+def seen(loaders, segment=None, start=0):
+    """``{global position: key}`` over every rank's batches (position from the order's rule)."""
+    out = {}
+    for ld in loaders:
+        segment_ = segment if segment is not None else None
+        batches = run(ld, segment_.epoch if segment_ else 0, start, segment_)
+        world, base = ld.cfg.world_size, ld.segment.base
+        cursor = sum(spec.batch_size for spec in ld.schedule()[:start])
+        for _, meta in batches:
+            for t, key in enumerate(meta["keys"]):
+                position = base + ld.cfg.rank + world * (cursor + t)
+                assert position not in out
+                out[position] = key
+            cursor += meta["samples"]
+    return out
+
+
+def test_slots_split_between_ranks_and_workers():
+    seg = Segment(0, 10, world_size=2, slots=6)
+    assert rank_slots(seg, 0) == [0, 2, 4] and rank_slots(seg, 1) == [1, 3, 5]
+    assert worker_slots(seg, 1, 0, 2) == [1, 5] and worker_slots(seg, 1, 1, 2) == [3]
+    assert worker_slots(seg, 0, 3, 4) == []  # more workers than slots: that one idles
+    shifted = Segment(0, 10, world_size=2, slots=6, base=7)  # position 7 starts the segment: rank 0 reads 1, 3, 5
+    assert rank_slots(shifted, 0) == [1, 3, 5]
+    assert [skipped_before(7, slot, 6) for slot in range(6)] == [2, 1, 1, 1, 1, 1]
+
+
+def test_slots_must_divide_between_the_ranks():
+    assert check_slots(6, 3) == 6
+    with pytest.raises(UsageError, match=r"--data-slots 4 is not a multiple of the world size 3"):
+        check_slots(4, 3)
+    with pytest.raises(UsageError, match="--data-slots must be an integer >= 1"):
+        check_slots(0, 1)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4, 7])
+def test_batches_do_not_depend_on_the_workers(shards, workers):
+    reference = run(loader(shards, workers=0))
+    batches = run(loader(shards, workers=workers))
+    assert [m["keys"] for _, m in batches] == [m["keys"] for _, m in reference]
+    for (a, _), (b, _) in zip(batches, reference):  # bit for bit, so the gradients are too
+        assert torch.equal(a["text"], b["text"])
+        assert all(torch.equal(a["image"][k], b["image"][k]) for k in a["image"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_world_size_reads_a_prefix_of_one_global_order(shards, world):
+    ranks = [loader(shards, world=world, rank=r, workers=r % 2) for r in range(world)]
+    got = seen(ranks)
+    order = global_order(shards, 240)
+    assert sorted(got) == list(range(len(got))) and len(got) >= 120  # a prefix: no gap, no repeat
+    assert [got[g] for g in range(len(got))] == order[:len(got)]
+    assert len(set(got.values())) == len(got)
+
+
+@pytest.mark.parametrize("after", [2, 3])
+def test_a_resized_segment_continues_the_order_without_gap_or_repeat(shards, after):
+    before = [loader(shards, world=2, rank=r) for r in range(2)]
+    stop = 3  # batches (steps, accum 1) the first segment ran, of 7
+    first = {}
+    for ld in before:
+        ld.set_epoch(0)
+        for batch, meta in ld.iter_meta():
+            if meta["index"] >= stop:
+                break
+            first.setdefault(ld.cfg.rank, []).append(meta)
+    consumed = sum(m["samples"] for metas in first.values() for m in metas)
+    tokens = 2 * sum(spec.batch_size * spec.seq_len for spec in before[0].schedule()[:stop])
+    resumed = [loader(shards, world=after, rank=r, workers=1 + r % 2) for r in range(after)]
+    segment = resumed[0].resized(before[0].segment, stop, consumed, tokens)
+    assert (segment.base, segment.first_step, segment.world_size) == (consumed, stop, after)
+    assert 0 < segment.progress < 1
+    rest = seen(resumed, segment)
+    keys = [k for metas in first.values() for m in metas for k in m["keys"]] + list(rest.values())
+    order = global_order(shards, 240)
+    assert min(rest) == consumed and sorted(rest) == list(range(consumed, consumed + len(rest)))
+    assert sorted(keys) == sorted(order[:len(keys)]) and len(set(keys)) == len(keys)
+    assert len(keys) >= 120  # the epoch's --train-num-samples, covered
