@@ -1,9 +1,10 @@
 """The main-process side: ``make_train_loader`` / ``make_val_loader`` and the loaders they return.
 
 Invariant: a train loader yields exactly ``num_batches - start_batch`` batches
-per epoch, in schedule order (batch i is the schedule's spec i, whichever worker
-built it), the same count on every rank; each batch is
-``{"image": {...}, "text": ...}`` and nothing else. ``stats`` counts what this
+per epoch (segment, ``order``), in schedule order (batch i is the schedule's spec
+i), the same count on every rank; each batch is ``{"image": {...}, "text": ...}``
+and nothing else, put together from its workers' parts row for row (``assemble``),
+so it is the same whatever ``--workers``; its meta names each row's sample key. ``stats`` counts what this
 process received this epoch, including corrupt samples reported by workers,
 which are also logged (the first ``LOG_LIMIT`` distinct ones of an epoch
 individually, then a summary). The worker processes of a train loader live across
