@@ -16,6 +16,7 @@ from ..data.workers import failure as loader_failure, stop_all as stop_workers
 from ..errors import UsageError
 from .checkpoint import load_checkpoint
 from .distributed import init_distributed
+from . import fsdp
 from .evaluate import evaluate
 from .finetune import data_options, prepare_model
 from .logs import LOGGER_NAME, RunLogger, setup_logging
@@ -68,12 +69,33 @@ def build_task(args, world, device):
     loss_kwargs = dict(rank=world.rank, world_size=world.world_size)
     if not args.siglip:
         loss_kwargs.update(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad)
+    if args.fsdp and world.distributed:
+        fsdp.shard(model, world, args)  # in place: the task's trainable module is the sharded model itself
+    elif args.fsdp:
+        log.warning("--fsdp needs several processes (torchrun); one process trains the model unsharded, "
+                    "as upstream does")
     task = create_task(model, siglip=args.siglip, **loss_kwargs)
-    if world.distributed:
+    if world.distributed and not fsdp.sharded(model):
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [device.index] if device.type == "cuda" else None
         task.trainable_module = DDP(model, device_ids=ids)
     return task, model
+
+
+def eval_task(task, model, args, world, device):
+    """The task evaluations run with: under ``--fsdp`` a whole copy of the model on rank 0 (None elsewhere),
+    gathered by every rank, since a sharded forward on rank 0 alone would wait for the others."""
+    if not fsdp.sharded(model):
+        return task
+    from ..models import create_model
+    from ..tasks import create_task
+
+    state = fsdp.full_model_state(model)
+    if not world.is_master:
+        return None
+    whole = create_model(args.model, siglip=args.siglip)
+    whole.load_state_dict(state)
+    return create_task(whole.to(device), siglip=args.siglip)
 
 
 def build_data(args, world, model, device):
@@ -163,12 +185,17 @@ def _run(args, world, device, claim) -> dict:
              f"world size {world.world_size}" + (f", resumed from {claim.resume}" if claim.resume else ""))
     zero_shot = make_zero_shot(args, model, world, device)
 
+    any_eval = val_data is not None or zero_shot is not None  # on rank 0; every rank joins a sharded gather
+    if fsdp.sharded(model):
+        any_eval = world.broadcast_object(any_eval)
+
     def run_evals(epoch: int) -> dict:
         metrics = {}
+        evaluating = eval_task(task, model, args, world, device) if any_eval else None
         if val_data is not None and due(epoch, args.val_frequency, args.epochs):
-            metrics.update(evaluate(task, val_data, device, autocast))
+            metrics.update(evaluate(evaluating, val_data, device, autocast))
         if zero_shot is not None:
-            metrics.update(zero_shot(task, epoch, autocast))
+            metrics.update(zero_shot(evaluating, epoch, autocast))
         run_logger.eval(epoch, metrics, state.global_step)
         return metrics
 

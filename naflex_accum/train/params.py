@@ -93,6 +93,10 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     r.add_argument("--check-every-n-steps", type=int, default=10,
                    help="every N optimizer steps at least, all ranks agree on stop requests and check the loss "
                         "is finite (one all-reduce and one device read; logging and saving steps always check)")
+    r.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 (fully_shard) per transformer block and at the root instead of DDP (torchrun)")
+    r.add_argument("--fsdp-no-reshard-after-forward", action="store_true",
+                   help="keep gathered parameters from forward to backward (less communication, more memory)")
     r.add_argument("--report-to", default="", help="'tensorboard', 'wandb', 'all', a comma-joined list, or '' "
                    "(none); wandb needs pip install 'naflex-accum[wandb]'")
     r.add_argument("--wandb-project-name", default="open-clip", help="the wandb project (open_clip's default)")

@@ -22,6 +22,7 @@ import torch
 from ..data.order import Segment, check_slots
 from ..errors import UsageError
 from ..rng import RngState
+from . import fsdp
 from .finetune import mismatch
 
 log = logging.getLogger("naflex_accum")
@@ -46,10 +47,21 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def epoch_payload(state, model, args) -> dict:
-    """The state at an epoch boundary (open_clip's checkpoint keys)."""
+def gather_states(state, model):
+    """``(model state, optimizer state)`` of a sharded (``--fsdp``) model, whole, on rank 0 (a collective);
+    ``(None, None)`` for an unsharded one, whose payload reads them where it is made."""
+    if not fsdp.sharded(model):
+        return None, None
+    return fsdp.full_model_state(model), fsdp.full_optimizer_state(model, state.optimizer)
+
+
+def epoch_payload(state, model, args, states=(None, None)) -> dict:
+    """The state at an epoch boundary (open_clip's checkpoint keys); ``states`` from ``gather_states``."""
+    model_state, optimizer_state = states
     return {"epoch": state.epoch, "global_step": state.global_step, "samples_seen": state.samples_seen,
-            "lr_steps_per_epoch": state.lr_steps_per_epoch, "name": args.name, "state_dict": model.state_dict(), "optimizer": state.optimizer.state_dict(),
+            "lr_steps_per_epoch": state.lr_steps_per_epoch, "name": args.name,
+            "state_dict": model.state_dict() if model_state is None else model_state,
+            "optimizer": state.optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scaler": state.scaler.state_dict() if state.scaler is not None else None}
 
 
@@ -58,9 +70,9 @@ def gather_rng_states(world) -> list:
     return world.gather_object(RngState.current().to_dict())
 
 
-def mid_epoch_payload(state, model, args, world, rng_states) -> dict:
+def mid_epoch_payload(state, model, args, world, rng_states, states=(None, None)) -> dict:
     """The state after step ``state.step_in_epoch`` of epoch ``state.epoch``."""
-    payload = epoch_payload(state, model, args)
+    payload = epoch_payload(state, model, args, states)
     payload.update(step_in_epoch=state.step_in_epoch, rng_states=rng_states,
                    schedule=schedule_settings(args, world), segment=state.segment.to_dict(),
                    epoch_samples=state.epoch_samples, epoch_tokens=state.epoch_tokens)
@@ -72,7 +84,9 @@ def check_fits(model, state_dict: dict, where: str, model_name: str) -> dict:
     from timm.models import clean_state_dict
 
     theirs = clean_state_dict(state_dict)
-    problem = mismatch(model.state_dict(), theirs)
+    ours = model.state_dict()
+    theirs = fsdp._fit(theirs, {k: v.shape for k, v in ours.items()})  # 0-dim or 1-dim logit parameters alike
+    problem = mismatch(ours, theirs)
     if problem:
         raise UsageError(f"{where} does not fit --model {model_name}: {problem}")
     return theirs
@@ -117,12 +131,16 @@ def restore(state, model, payload: dict, where: str, args, world) -> None:
     (``state.segment``), and this rank's random state when the world size is the saved one."""
     step_in_epoch, epoch = int(payload.get("step_in_epoch", 0)), int(payload["epoch"])
     segment = _saved_segment(payload, where, args, world) if step_in_epoch else None
-    model.load_state_dict(check_fits(model, payload["state_dict"], where, args.model))
+    fsdp.load_model_state(model, check_fits(model, payload["state_dict"], where, args.model))
     try:
-        state.optimizer.load_state_dict(payload["optimizer"])
+        saved = payload["optimizer"]
+        if fsdp.sharded(model) or (saved["state"] and isinstance(next(iter(saved["state"])), str)):
+            fsdp.load_optimizer_state(model, state.optimizer, saved)  # by name: saved by an --fsdp run
+        else:
+            state.optimizer.load_state_dict(saved)
         if state.scaler is not None and payload.get("scaler") is not None:
             state.scaler.load_state_dict(payload["scaler"])
-    except (ValueError, KeyError, RuntimeError) as exc:
+    except (ValueError, KeyError, RuntimeError, TypeError) as exc:
         raise UsageError(f"{where}: its optimizer state does not fit this run ({exc})") from None
     state.epoch, state.step_in_epoch = epoch, step_in_epoch
     state.global_step = int(payload.get("global_step", 0))
@@ -137,7 +155,9 @@ def restore(state, model, payload: dict, where: str, args, world) -> None:
     log.info(f"Resumed {where} at epoch {epoch}, global step {state.global_step}{inside}")
 
 
-def weights_finite(model) -> bool:
-    """Whether every parameter and buffer is finite (one device read)."""
+def weights_finite(model, world=None) -> bool:
+    """Whether every parameter and buffer is finite (one device read); every rank's shard under ``--fsdp``."""
+    if fsdp.sharded(model):
+        return fsdp.weights_finite(model, world)
     flags = [torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point()]
     return bool(torch.stack(flags).all()) if flags else True

@@ -20,7 +20,7 @@ from typing import List, Optional
 
 from .checkpoint import prune_step_checkpoints, save_checkpoint
 from .monitor import host_read
-from .resume import epoch_payload, gather_rng_states, mid_epoch_payload, weights_finite
+from .resume import epoch_payload, gather_rng_states, gather_states, mid_epoch_payload, weights_finite
 from .rundir import on_master
 
 log = logging.getLogger("naflex_accum")
@@ -55,19 +55,21 @@ class Saver:
         paths = [self.paths.checkpoint(epoch)] if due else []
         paths += [self.paths.most_recent] if args.save_most_recent else []
         if paths:  # one weights check and one payload, however many files get it
-            self._write(paths, lambda: epoch_payload(state, self.model, args))
+            self._write(paths, lambda states: epoch_payload(state, self.model, args, states), state)
         if due and args.delete_previous_checkpoint and epoch - args.save_frequency > 0:
             on_master(self.world, _unlink, self.paths.checkpoint(epoch - args.save_frequency))
 
     def _write_mid_epoch(self, path: Path, state) -> None:
         rng_states = gather_rng_states(self.world)
-        self._write([path], lambda: mid_epoch_payload(state, self.model, self.args, self.world, rng_states))
+        self._write([path], lambda states: mid_epoch_payload(state, self.model, self.args, self.world, rng_states,
+                                                             states), state)
 
-    def _write(self, paths: List[Path], make_payload) -> None:
+    def _write(self, paths: List[Path], make_payload, state) -> None:
         with host_read():  # a save reads the device (the weights check, the state to the CPU) by design
-            if not weights_finite(self.model):
+            if not weights_finite(self.model, self.world):
                 raise NonFiniteWeights(paths[0])
-            on_master(self.world, self._write_on_master, paths, make_payload)
+            states = gather_states(state, self.model)  # every rank: under --fsdp the gather is a collective
+            on_master(self.world, self._write_on_master, paths, lambda: make_payload(states))
         self.last_good = paths[-1]
 
     def _write_on_master(self, paths: List[Path], make_payload) -> None:

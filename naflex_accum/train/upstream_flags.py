@@ -25,8 +25,6 @@ W, L, R = "works", "limited", "refused"
 _AUDIO = Flag(R, "audio models (CLAP) are not trained here: image-text CLIP/SigLIP only")
 _CSV = Flag(R, "csv data is not read here: webdataset shards only")
 _COMPILE = Flag(R, "torch.compile is not wired into this trainer (each microbatch has its own NaFlex shape)")
-_FSDP = Flag(R, "FSDP is not wired into this trainer (DDP only); the step itself is verified under FSDP2, "
-                 "for your own loop")
 _REMOTE = Flag(R, "remote sync is not offered: copy logs/NAME yourself (checkpoints are written atomically)")
 _BUCKETS = Flag(R, "captions are padded to the model's context length; there is no length bucketing")
 _NOOP = "accepted; it has no effect on these models, as upstream"
@@ -143,8 +141,12 @@ FLAGS: Dict[str, Flag] = {
     "--dist-backend": Flag(R, "nccl on CUDA, gloo on the CPU, chosen from --device"),
     "--no-set-device-rank": Flag(R, "each rank uses cuda:LOCAL_RANK, or the device --device names"),
     "--ddp-static-graph": Flag(R, "DDP runs with its defaults"),
-    "--fsdp": _FSDP, "--fsdp-no-reshard-after-forward": _FSDP, "--fsdp-offload-cpu": _FSDP,
-    "--fsdp-checkpoint": _FSDP,
+    "--fsdp": Flag(W, "FSDP2 per block and at the root, fp32 parameters; checkpoints are full state dicts, "
+                      "which runs with or without --fsdp resume"),
+    "--fsdp-no-reshard-after-forward": Flag(W),
+    "--fsdp-offload-cpu": Flag(R, "not offered: CPU offload is untested without a GPU here"),
+    "--fsdp-checkpoint": Flag(L, "full state dicts only (what --pretrained and a run without --fsdp load)",
+                              ("full",)),
     # NaFlex
     "--naflex-num-train-image-tokens": Flag(W), "--naflex-patch-sizes": Flag(W), "--naflex-seq-lens": Flag(W),
     "--naflex-seq-len-probs": Flag(W), "--naflex-max-tokens-per-batch": Flag(W), "--naflex-batch-divisor": Flag(W),
