@@ -23,6 +23,7 @@ from ..data.order import Segment
 from ..errors import UsageError
 from ..rng import RngState
 from ..scales import window_loss_scale
+from .compile import mark_batch_dynamic
 from .preempt import Preempted
 
 log = logging.getLogger("naflex_accum")
@@ -142,6 +143,8 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
             break  # a trailing partial window would never step
         lr = state.scheduler(lr_position(state, segment, i // k, k))
         batch = task.prepare_batch(batch, loop.device)
+        if getattr(args, "torchcompile", False):
+            mark_batch_dynamic(batch)
         data_time += time.time() - end
         sizes.append(meta["samples"])
         tokens += meta["image_tokens"]

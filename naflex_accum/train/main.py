@@ -17,6 +17,7 @@ from ..errors import UsageError
 from .checkpoint import load_checkpoint
 from .distributed import init_distributed
 from . import fsdp
+from .compile import compile_model
 from .evaluate import evaluate
 from .finetune import data_options, prepare_model
 from .logs import LOGGER_NAME, RunLogger, setup_logging
@@ -75,10 +76,12 @@ def build_task(args, world, device):
         log.warning("--fsdp needs several processes (torchrun); one process trains the model unsharded, "
                     "as upstream does")
     task = create_task(model, siglip=args.siglip, **loss_kwargs)
+    if args.torchcompile:  # before DDP, as upstream's 'model' strategy
+        task.trainable_module = compile_model(model, args, world.distributed)
     if world.distributed and not fsdp.sharded(model):
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [device.index] if device.type == "cuda" else None
-        task.trainable_module = DDP(model, device_ids=ids)
+        task.trainable_module = DDP(task.trainable_module, device_ids=ids)
     return task, model
 
 

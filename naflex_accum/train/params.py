@@ -93,6 +93,10 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     r.add_argument("--check-every-n-steps", type=int, default=10,
                    help="every N optimizer steps at least, all ranks agree on stop requests and check the loss "
                         "is finite (one all-reduce and one device read; logging and saving steps always check)")
+    r.add_argument("--torchcompile", action="store_true",
+                   help="torch.compile the model (upstream's 'model' strategy): a graph per sequence length")
+    r.add_argument("--torchcompile-backend", default=None, help="torch.compile backend (default: inductor)")
+    r.add_argument("--torchcompile-mode", default=None, help="torch.compile mode (default, reduce-overhead, ...)")
     r.add_argument("--fsdp", action="store_true",
                    help="FSDP2 (fully_shard) per transformer block and at the root instead of DDP (torchrun)")
     r.add_argument("--fsdp-no-reshard-after-forward", action="store_true",
@@ -248,6 +252,9 @@ def validate(args) -> None:
         raise UsageError(f"--naflex-seq-len-probs needs one weight per --naflex-seq-lens value "
                          f"({len(args.naflex_seq_lens)}); got {len(args.naflex_seq_len_probs)}")
     check_wandb(args.report_to)  # also refuses values that name no sink
+    if args.fsdp and args.torchcompile:
+        raise UsageError("--fsdp with --torchcompile is not offered here (upstream compiles per block inside "
+                         "FSDP); use one of them")
     if args.siglip and (args.local_loss or args.gather_with_grad):
         raise UsageError("--local-loss and --gather-with-grad apply to the CLIP loss, not --siglip")
     if args.name is not None and (not args.name or "/" in args.name or args.name in (".", "..")):

@@ -24,7 +24,6 @@ class Flag(NamedTuple):
 W, L, R = "works", "limited", "refused"
 _AUDIO = Flag(R, "audio models (CLAP) are not trained here: image-text CLIP/SigLIP only")
 _CSV = Flag(R, "csv data is not read here: webdataset shards only")
-_COMPILE = Flag(R, "torch.compile is not wired into this trainer (each microbatch has its own NaFlex shape)")
 _REMOTE = Flag(R, "remote sync is not offered: copy logs/NAME yourself (checkpoints are written atomically)")
 _BUCKETS = Flag(R, "captions are padded to the model's context length; there is no length bucketing")
 _NOOP = "accepted; it has no effect on these models, as upstream"
@@ -131,8 +130,10 @@ FLAGS: Dict[str, Flag] = {
                                     "instead"),
     "--wd-exclude": Flag(R, "no weight decay on 1-D parameters, biases, norms and logit_scale (fixed)"),
     "--use-bn-sync": Flag(W, _NOOP + " (no BatchNorm)"),
-    "--torchcompile": _COMPILE, "--torchcompile-strategy": _COMPILE, "--torchcompile-backend": _COMPILE,
-    "--torchcompile-mode": _COMPILE,
+    "--torchcompile": Flag(W, "the model, before DDP; batch dimension dynamic, nothing compiles after the "
+                              "first epoch; Inductor draws eager's random numbers (the same masks)"),
+    "--torchcompile-strategy": Flag(L, "the model is compiled ('task' and 'step' are not offered)", ("model",)),
+    "--torchcompile-backend": Flag(W), "--torchcompile-mode": Flag(W),
     # devices and processes
     "--device": Flag(W, "cpu, cuda or cuda:N; default cuda when available; one not there: one line, exit 2"),
     "--workers": Flag(W, "they live across epochs (CPU too); one that dies, raises or hangs for --data-timeout "
