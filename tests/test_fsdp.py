@@ -122,3 +122,29 @@ def test_the_nonfinite_guard_under_fsdp(setup):
     for path in sorted((folder / "logs/fsdp-nan/checkpoints").iterdir()):  # every shard was checked first
         state = weights(path)
         assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), path
+
+
+def test_a_stop_request_under_fsdp_saves_and_resumes_to_the_uninterrupted_weights(setup, runs):
+    folder, shards, model = setup
+    job = Path(__file__).resolve().parent / "loader_jobs" / "elastic_trainer.py"
+    root = folder / "logs" / "fsdp-stop"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(job),
+           "--logs-dir", str(folder / "logs"), *run_argv(shards, model, None, "fsdp-stop", "--fsdp", epochs=2,
+                                                         workers=0), "--name", "fsdp-stop"]
+    env = {**SUBPROCESS_ENV, "RECORD": str(folder / "fsdp-stop"), "STOP_AT": "0:1", "STOP_FILE": str(root / "STOP")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert "exitcode  : 75" in proc.stderr, proc.stderr[-3000:]  # every rank saved and stopped after step 1
+    saved = torch.load(root / "checkpoints/epoch_latest.pt", weights_only=True)
+    assert (saved["epoch"], saved["step_in_epoch"]) == (0, 1) and saved["state_dict"]["logit_scale"].dim() == 0
+    torchrun(folder, shards, model, "fsdp-stop", "--fsdp", "--resume", "latest")
+    reference = weights(folder / "logs/ddp/checkpoints/epoch_2.pt")
+    assert max_diff(weights(root / "checkpoints/epoch_2.pt"), reference) < TOL
+
+
+def test_pretrained_from_an_fsdp_checkpoint(setup, runs, tmp_path):
+    from longrun_common import train_in_process
+
+    folder, shards, model = setup
+    result = train_in_process(run_argv(shards, model, tmp_path, "ft", "--pretrained",
+                                       str(folder / "logs/fsdp/checkpoints/epoch_2.pt"), epochs=1, workers=0))
+    assert result["exit_code"] == 0 and result["global_step"] == 4

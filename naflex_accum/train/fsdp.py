@@ -8,9 +8,9 @@ accumulation step turns gradient sync off until a window's last backward
 (``sync.grad_sync``), so a window costs one reduce-scatter round. Checkpoints
 hold the plain model's full state dict (``logit_scale``/``logit_bias`` 0-dim, as
 open_clip's CLIP has them; FSDP needs them 1-dim while sharded) and an optimizer
-state keyed by parameter name, in the same form whether the run shards or not:
-a run with or without ``--fsdp`` resumes from either, and ``--pretrained`` and
-``open_clip``-style loaders read the weights. Every function here is a
+state keyed by parameter name (an unsharded run's stays keyed by index, as
+open_clip's): a run with or without ``--fsdp`` resumes from either kind, and
+``--pretrained`` and a plain ``load_state_dict`` read the weights. Every function here is a
 collective under FSDP: all ranks call it.
 """
 import logging
@@ -58,7 +58,7 @@ def _plain(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k: (v.reshape(()) if k in LOGIT_KEYS and v.numel() == 1 else v) for k, v in state.items()}
 
 
-def _fit(state: Dict, shapes: Dict[str, torch.Size]) -> Dict:
+def fit_shapes(state: Dict, shapes: Dict[str, torch.Size]) -> Dict:
     """``state`` with its logit entries reshaped to this model's (0-dim plain, 1-dim sharded)."""
     return {k: (v.reshape(shapes[k]) if k in LOGIT_KEYS and k in shapes and torch.is_tensor(v)
                 and v.numel() == 1 else v) for k, v in state.items()}
@@ -80,7 +80,7 @@ def full_model_state(model) -> Optional[Dict[str, torch.Tensor]]:
 
 def load_model_state(model, state: Dict[str, torch.Tensor]) -> None:
     """Load a full state dict (plain form or this model's) into ``model``, sharded or not."""
-    state = _fit(state, model_shapes(model))
+    state = fit_shapes(state, model_shapes(model))
     if not sharded(model):
         model.load_state_dict(state)
         return

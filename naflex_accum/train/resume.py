@@ -85,7 +85,7 @@ def check_fits(model, state_dict: dict, where: str, model_name: str) -> dict:
 
     theirs = clean_state_dict(state_dict)
     ours = model.state_dict()
-    theirs = fsdp._fit(theirs, {k: v.shape for k, v in ours.items()})  # 0-dim or 1-dim logit parameters alike
+    theirs = fsdp.fit_shapes(theirs, {k: v.shape for k, v in ours.items()})  # 0-dim or 1-dim logit parameters alike
     problem = mismatch(ours, theirs)
     if problem:
         raise UsageError(f"{where} does not fit --model {model_name}: {problem}")
