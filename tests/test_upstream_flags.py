@@ -77,14 +77,14 @@ def test_refused_flag_exits_2_with_one_line_from_the_cli(capsys):
 
 def test_refused_flag_in_a_preset_is_refused(tmp_path):
     preset = tmp_path / "p.yaml"
-    preset.write_text("torchcompile: true\n")
-    with pytest.raises(UsageError, match=r"--config .*p\.yaml: torchcompile: --torchcompile .*torch.compile"):
+    preset.write_text("remote_sync: s3://bucket\n")
+    with pytest.raises(UsageError, match=r"--config .*p\.yaml: remote_sync: --remote-sync .*remote sync is not"):
         parse_args(["--config", str(preset), *BASE])
     preset.write_text("opt: sgd\n")
     with pytest.raises(UsageError, match=r"--config .*p\.yaml: opt: --opt 'sgd'"):
         parse_args(["--config", str(preset), *BASE])
-    preset.write_text("torchcompile: null\n")  # a null value sets no flag's action: the namespace check catches it
-    with pytest.raises(UsageError, match="--config: --torchcompile .*torch.compile"):
+    preset.write_text("remote_sync: null\n")  # a null value sets no flag's action: the namespace check catches it
+    with pytest.raises(UsageError, match="--config: --remote-sync .*remote sync is not"):
         parse_args(["--config", str(preset), *BASE])
 
 
