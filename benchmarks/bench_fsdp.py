@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,16 +38,13 @@ def child(model_name: str, wrap: str, out: str) -> None:
     from naflex_accum.modes import get_step
     from naflex_accum.train.distributed import init_distributed
     from naflex_accum.train.main import build_optimizer, build_task
+    from naflex_accum.train.params import parse_args
 
     torch.set_num_threads(1)
     world, device = init_distributed("cpu")
-    args = SimpleNamespace(seed=0, model=model_name, siglip=False, force_patch_dropout=None,
-                           naflex_patch_sizes=[16], local_loss=False, gather_with_grad=False, fsdp=wrap == "fsdp",
-                           fsdp_no_reshard_after_forward=False, pretrained=None, lock_image=False,
-                           lock_text=False, grad_checkpointing=False, wd=0.2, lr=1e-4, beta1=0.9, beta2=0.98,
-                           eps=1e-6, accum_freq=2, batch_size=4, naflex_loss_scale="linear", grad_clip_norm=None,
-                           lock_image_unlocked_groups=0, lock_text_unlocked_layers=0, lock_image_freeze_bn_stats=False,
-                           lock_text_freeze_layer_norm=False)
+    flags = ["--train-data", "unused.tar", "--model", model_name, "--device", "cpu", "--accum-freq", "2",
+             "--naflex-loss-scale", "linear", "--batch-size", "4"] + (["--fsdp"] if wrap == "fsdp" else [])
+    args = parse_args(flags)
     task, model = build_task(args, world, device)
     optimizer = build_optimizer(model, args)
     step = get_step("cached-loss")
@@ -68,7 +64,8 @@ def run(model_name: str, nproc: int, wrap: str, folder: str):
     out = os.path.join(folder, wrap)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            __file__, "--child", wrap, "--model", model_name, "--out", out]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     if proc.returncode:
         sys.exit(f"bench_fsdp: the {wrap} run failed:\n{proc.stderr[-3000:]}")

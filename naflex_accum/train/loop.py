@@ -8,8 +8,11 @@ The loop reads nothing from the device per microbatch and at most once per
 optimizer step (the monitor's check; sample and token counts come from the
 loader's CPU-side metadata). The first window of a run checks that every rank
 has the same microbatch sizes (the window scale must agree across ranks). An
-epoch resumed at step S skips the data of steps < S and restores the random
-state saved at S, so it trains exactly as the uninterrupted epoch would have.
+epoch resumed at step S at the saved world size skips the data of steps < S and
+restores the random state saved at S, so it trains exactly as the uninterrupted
+epoch would have; at another world size it goes on with the epoch's global
+sample order where the saved run stopped (``data.order``), with fresh random
+streams, and the learning rate goes on from the fraction of the epoch done.
 """
 import itertools
 import logging
@@ -132,7 +135,8 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
     seg_steps = segment.num_batches // k
     num_steps = segment.first_step + seg_steps
     state.epoch_samples = segment.base + sum(spec.batch_size for spec in specs[:start]) * world.world_size
-    state.epoch_tokens = segment.base_tokens + sum(s.batch_size * s.seq_len for s in specs[:start]) * world.world_size
+    state.epoch_tokens = segment.base_tokens + world.world_size * sum(s.batch_size * s.seq_len
+                                                                      for s in specs[:start])
     loop.logger.start_epoch(state.epoch, num_steps - state.step_in_epoch)
     accum_state = ([], {}) if k > 1 else None
     sizes, tokens, data_time = [], 0, 0.0

@@ -264,7 +264,8 @@ def print_footer(result: dict) -> None:
     if "tensorboard" in sinks(result["report_to"]):
         print(f"Tensorboard: tensorboard --logdir {result['run_folder']}/tensorboard")
     if "wandb" in sinks(result["report_to"]):
-        print(f"wandb: {result['run_folder']}/wandb (offline runs: wandb sync {result['run_folder']}/wandb/offline-run-*)")
+        folder = f"{result['run_folder']}/wandb"
+        print(f"wandb: {folder} (offline runs: wandb sync {folder}/offline-run-*)")
 
 
 def main(argv=None, prog="naflex-accum train") -> int:
