@@ -69,9 +69,7 @@ def model_shapes(model) -> Dict[str, torch.Size]:
 
 
 def full_model_state(model) -> Optional[Dict[str, torch.Tensor]]:
-    """The whole model's state on the CPU, in the plain form (on rank 0; None elsewhere when sharded)."""
-    if not sharded(model):
-        return _plain({k: v for k, v in model.state_dict().items()})
+    """A sharded model's whole state on the CPU, in the plain form (on rank 0; None elsewhere)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
