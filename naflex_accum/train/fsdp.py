@@ -116,12 +116,17 @@ def by_name(model, optimizer, state: Dict) -> Dict:
     return {"state": {index[i]: entry for i, entry in state["state"].items()}, "param_groups": groups}
 
 
+def keyed_by_index(state: Dict) -> bool:
+    """Whether an optimizer state names its parameters by index (``optimizer.state_dict()``), not by name."""
+    keys = list(state["state"]) or [i for group in state["param_groups"] for i in group["params"]]
+    return bool(keys) and isinstance(keys[0], int)
+
+
 def load_optimizer_state(model, optimizer, state: Dict) -> None:
     """Load an optimizer state saved by a run with or without ``--fsdp`` (by name or by index)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    if state["state"] and isinstance(next(iter(state["state"])), int) or not state["state"] and \
-            state["param_groups"] and isinstance(state["param_groups"][0]["params"][0], int):
+    if keyed_by_index(state):
         state = by_name(model, optimizer, state)
     shapes = {n: p.shape for n, p in model.named_parameters()}
     state = {**state, "state": {n: {k: (v.reshape(shapes[n]) if n in LOGIT_KEYS and torch.is_tensor(v)

@@ -188,13 +188,13 @@ def _run(args, world, device, claim) -> dict:
              f"world size {world.world_size}" + (f", resumed from {claim.resume}" if claim.resume else ""))
     zero_shot = make_zero_shot(args, model, world, device)
 
-    any_eval = val_data is not None or zero_shot is not None  # on rank 0; every rank joins a sharded gather
-    if fsdp.sharded(model):
-        any_eval = world.broadcast_object(any_eval)
-
     def run_evals(epoch: int) -> dict:
         metrics = {}
-        evaluating = eval_task(task, model, args, world, device) if any_eval else None
+        wanted = (val_data is not None and due(epoch, args.val_frequency, args.epochs)) or \
+            (zero_shot is not None and zero_shot.due(epoch))  # known on rank 0, which evaluates
+        if fsdp.sharded(model):  # every rank joins the gather of the whole model, only when an eval is due
+            wanted = world.broadcast_object(wanted)
+        evaluating = eval_task(task, model, args, world, device) if wanted else None
         if val_data is not None and due(epoch, args.val_frequency, args.epochs):
             metrics.update(evaluate(evaluating, val_data, device, autocast))
         if zero_shot is not None:

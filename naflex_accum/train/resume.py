@@ -134,7 +134,7 @@ def restore(state, model, payload: dict, where: str, args, world) -> None:
     fsdp.load_model_state(model, check_fits(model, payload["state_dict"], where, args.model))
     try:
         saved = payload["optimizer"]
-        if fsdp.sharded(model) or (saved["state"] and isinstance(next(iter(saved["state"])), str)):
+        if fsdp.sharded(model) or not fsdp.keyed_by_index(saved):
             fsdp.load_optimizer_state(model, state.optimizer, saved)  # by name: saved by an --fsdp run
         else:
             state.optimizer.load_state_dict(saved)

@@ -337,10 +337,13 @@ class ZeroShot:
             raise UsageError(f"{zs.flag}: no usable labelled images for zero-shot classification")
         return correct[0] / seen, correct[1] / seen
 
+    def due(self, epoch: int) -> bool:
+        return due(epoch, self.frequency, self.epochs)
+
     def __call__(self, task, epoch: int, autocast) -> Dict[str, float]:
         from ..tasks import unwrap
 
-        if not due(epoch, self.frequency, self.epochs):
+        if not self.due(epoch):
             return {}
         model = unwrap(task.trainable_module)
         was_training = model.training
