@@ -84,8 +84,8 @@ def _normaliser(mean, std, repeat: int) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int = 16, flatten: bool = True,
-                   mean=IMAGE_MEAN, std=IMAGE_STD,
-                   alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+                   mean=IMAGE_MEAN, std=IMAGE_STD, alloc: Optional[Callable[[int], torch.Tensor]] = None,
+                   into: Optional[Tuple[torch.Tensor, Sequence[int]]] = None) -> Dict[str, torch.Tensor]:
     """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one normalised, zero-padded NaFlex batch.
 
     One strided copy per image gathers its patches (row-major grid, channels-last
@@ -94,14 +94,20 @@ def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int
     ``NaFlexCollator`` would copy float patches one sample at a time instead.
     ``alloc(numel)``, if given, supplies the float32 memory for the patches (shared
     memory, so that handing the batch from a loader worker to the main process copies
-    nothing; a recycled slot, see ``data.handover``).
+    nothing; a recycled slot, see ``data.handover``). ``into=(patches, rows)`` writes
+    image i's patches into row ``rows[i]`` of ``patches``, a float32 ``[B, seq_len,
+    P*P*C]`` batch that several workers fill (``data.ring``), each row converted,
+    normalised and padded exactly as here; the result's ``"patches"`` is then None.
     """
     import numpy as np
 
     p, n = patch_size, len(images)
     channels = images[0].shape[0]
     shape = (n, seq_len, p * p * channels)
-    patches = torch.empty(shape) if alloc is None else alloc(math.prod(shape)).view(shape)
+    if into is None:
+        patches, targets = (torch.empty(shape) if alloc is None else alloc(math.prod(shape)).view(shape)), range(n)
+    else:
+        patches, targets = into
     flat, counts, widths, row = patches.numpy(), [], [], p * channels
     for i, img in enumerate(images):
         pixels = img.numpy()  # numpy from here: its calls cost a fraction of torch's on these small arrays
@@ -111,20 +117,33 @@ def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int
             raise ValueError(f"image {i} of {h}x{w} does not make at most {seq_len} whole {p}x{p} patches")
         # numpy's strided cast-copy is several times faster than torch's for these short (P*C-byte) rows
         grid = pixels.transpose(1, 2, 0).reshape(gh, p, gw, row).transpose(0, 2, 1, 3)
-        np.copyto(flat[i, :gh * gw].reshape(gh, gw, p, row), grid, casting="unsafe")
+        np.copyto(flat[targets[i], :gh * gw].reshape(gh, gw, p, row), grid, casting="unsafe")
         counts.append(gh * gw)
         widths.append(gw)
     shift, scale = _normaliser(tuple(mean), tuple(std), p * p)
-    torch.addcmul(shift, patches, scale, out=patches)
-    for i, count in enumerate(counts):
-        flat[i, count:] = 0.0  # padding: a memset of each image's tail
-    index = torch.arange(seq_len)
-    valid = index < torch.tensor(counts)[:, None]
-    grid_w = torch.tensor(widths)[:, None]
-    coord = torch.stack((index // grid_w, index % grid_w), dim=-1).mul_(valid[..., None])
-    if not flatten:
+    if into is None:
+        torch.addcmul(shift, patches, scale, out=patches)
+    else:  # the same elementwise op, on this part's rows only: other workers own the rest
+        for target, count in zip(targets, counts):
+            torch.addcmul(shift, patches[target, :count], scale, out=patches[target, :count])
+    for target, count in zip(targets, counts):
+        flat[target, count:] = 0.0  # padding: a memset of each image's tail
+    coord, valid = patch_grid(counts, widths, seq_len)
+    if into is not None:
+        patches = None
+    elif not flatten:
         patches = patches.view(n, seq_len, p, p, channels)
     return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
+
+
+def patch_grid(counts: Sequence[int], widths: Sequence[int], seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(patch_coord, patch_valid)`` of images with ``counts[i]`` patches in rows of ``widths[i]``, padded to
+    ``seq_len``: row-major (y, x) coordinates, zero where padding."""
+    index = torch.arange(seq_len)
+    valid = index < torch.as_tensor(counts, dtype=torch.int64)[:, None]
+    grid_w = torch.as_tensor(widths, dtype=torch.int64)[:, None]
+    coord = torch.stack((index // grid_w, index % grid_w), dim=-1).mul_(valid[..., None])
+    return coord, valid
 
 
 def pil_to_patches(img, seq_len: int, patch_size: int = 16, flatten: bool = True) -> Dict[str, torch.Tensor]:

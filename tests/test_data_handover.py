@@ -5,6 +5,7 @@ from torch.utils.data._utils.pin_memory import pin_memory
 
 from naflex_accum.data.assemble import assemble
 from naflex_accum.data import handover, make_train_loader
+from naflex_accum.data import loader as loader_module
 from test_data_common import CharTokenizer, config, demo
 
 torch.set_num_threads(1)
@@ -88,6 +89,12 @@ def test_released_slots_are_reused_and_views_keep_theirs(shards, monkeypatch, wo
         reused.append(ref.memory is None)
         return patches(self, ref)
     monkeypatch.setattr(handover.Receiver, "patches", counting)
+    in_ring = []
+
+    def assembling(parts, *args):
+        in_ring.extend(m.get("ring") is not None for part, m in parts if part is not None)
+        return assemble(parts, *args)
+    monkeypatch.setattr(loader_module, "assemble", assembling)
     loader = make_train_loader(config(shards, workers=workers, num_samples=300), CharTokenizer())
     copies, views = [], {}
     for i, batch in enumerate(loader):
@@ -100,7 +107,10 @@ def test_released_slots_are_reused_and_views_keep_theirs(shards, monkeypatch, wo
     assert not loader.pin_memory  # a pinned loader does not recycle (see the last test)
     assert all(_equal(a, b) for a, b in zip(copies, expected))
     assert all(torch.equal(view, expected[i]["image"]["patches"][1:]) for i, view in views.items())
-    assert sum(reused) >= len(expected) // 2  # most batches travelled as a slot number, not as new memory
+    # most parts travelled as a slot number (0 workers) or were written into the batch's ring buffer (2 workers,
+    # see data.ring), not in new memory
+    assert sum(reused) + sum(in_ring) >= len(expected) // 2 * max(1, workers)
+    assert (sum(in_ring) > 0) == (workers >= 2)
 
 
 def test_without_recycling_batches_travel_in_fresh_memory(shards, monkeypatch):
@@ -121,3 +131,21 @@ def test_without_recycling_batches_travel_in_fresh_memory(shards, monkeypatch):
     expected = _expected(loader)
     assert received == [] and sorted(batches) == list(range(len(expected)))
     assert all(_equal(batches[i], b) for i, b in enumerate(expected))
+
+
+def test_the_assembly_pool_reuses_a_buffer_only_when_nothing_holds_it():
+    from naflex_accum.data.assemble import Pool
+
+    pool = Pool(keep=2)
+    a = pool.empty((4, 8))
+    a.fill_(1.0)
+    address = a.data_ptr()
+    view = a[2:]
+    del a
+    b = pool.empty((4, 8))
+    assert b.data_ptr() != address  # a view alone keeps the buffer
+    del view
+    c = pool.empty((3, 8))
+    assert c.data_ptr() == address  # free again, and big enough (within 2x)
+    del b, c
+    assert pool.empty((64, 8)).shape == (64, 8) and len(pool.free) <= 2  # too small ones stay, at most `keep`

@@ -22,7 +22,7 @@ def shards(tmp_path_factory):
 def eval_args(**overrides):
     args = dict(zeroshot_classes=None, zeroshot_data=None, val_data=None, imagenet_val=None, imagenet_v2=None,
                 zeroshot_frequency=1, epochs=1, workers=0, val_seq_len=16, naflex_seq_lens=[16],
-                naflex_patch_sizes=[16], val_batch_size=16)
+                naflex_patch_sizes=[16], val_batch_size=16, image_decode="scaled")
     return SimpleNamespace(**{**args, **overrides})
 
 
@@ -63,10 +63,10 @@ def test_bad_class_list_is_one_line(tmp_path, text, message):
 def test_zero_shot_matches_a_direct_computation(shards):
     """Top-1/top-5 from the evaluator equal a per-image loop over open_clip's encoders and our own classifier."""
     from open_clip.tokenizer import SimpleTokenizer
-    from PIL import Image
 
+    from naflex_accum.data.decode import decode_for_seq
     from naflex_accum.data.samples import tar_members
-    from naflex_accum.naflex import collate_uint8_patches, pil_to_patches
+    from naflex_accum.naflex import collate_images
 
     task = tiny_task()
     model = task.trainable_module
@@ -90,8 +90,8 @@ def test_zero_shot_matches_a_direct_computation(shards):
             if "json" in files and ("jpg" in files or "png" in files):
                 attrs = json.loads(files["json"])
                 label = classes.classnames.index(f"{attrs['colour']} {attrs['shape']}")
-                image = Image.open(io.BytesIO(files.get("jpg") or files["png"]))
-                patches = collate_uint8_patches([pil_to_patches(image, 16, 16)], 16)
+                image = decode_for_seq(files.get("jpg") or files["png"], 16, 16)
+                patches = collate_images([image], 16, 16)
                 ranked = (model.encode_image(patches, normalize=True) @ embeds.t()).argsort(descending=True)[0]
                 top1 += int(ranked[0] == label)
                 top5 += int(label in ranked[:5])

@@ -5,30 +5,94 @@ slot of the rank would have built: row ``t`` is the part row that ``meta["rows"]
 places at ``t``, so a batch's rows, and so its losses and gradients, are the
 same bit for bit whatever the number of workers. A batch built whole by one
 part is passed on as it is (no copy); otherwise each part is copied once into
-a new batch (pinned when the parts were, for CUDA).
+a new batch (pinned when the parts were, for CUDA). The patches of a new batch
+(tens of MB) go into memory a ``Pool`` recycles once nothing holds that batch
+any more: fresh memory of that size costs a page fault per 4 KB, ten times
+the copy itself.
 """
+import math
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
-
-def _alike(value: torch.Tensor, rows: int, pin: bool) -> torch.Tensor:
-    return torch.empty((rows,) + tuple(value.shape[1:]), dtype=value.dtype, pin_memory=pin)
+BIG_ROW = 1 << 15  # bytes per row from which rows are copied one by one (index_copy_ is slower on big rows)
 
 
-def _fill(parts: List[Tuple[Dict, torch.Tensor]], rows: int, pin: bool):
+class _Lease:
+    """Keeps ``view``'s memory alive while any tensor over it lives, then gives ``token`` back to ``free``."""
+    __slots__ = ("__array_interface__", "_view", "_token", "_free")
+
+    def __init__(self, view: np.ndarray, token, free: list):
+        self.__array_interface__ = view.__array_interface__
+        self._view, self._token, self._free = view, token, free
+
+    def __del__(self):
+        self._free.append(self._token)
+
+
+class Pool:
+    """Recycled float32 memory for assembled patches: at most ``keep`` free buffers are kept."""
+
+    def __init__(self, keep: int = 8):
+        self.free: List[np.ndarray] = []
+        self.keep = keep
+
+    def empty(self, shape: Tuple[int, ...]) -> torch.Tensor:
+        numel = math.prod(shape)
+        fits = [i for i, b in enumerate(self.free) if numel <= b.size <= 2 * numel]  # sizes follow a token budget
+        if fits:
+            buffer = self.free.pop(min(fits, key=lambda i: self.free[i].size))
+        else:
+            buffer = np.empty(numel, np.float32)
+        del self.free[:-self.keep or None]  # the oldest beyond ``keep`` go back to the allocator
+        return torch.from_numpy(np.asarray(_Lease(buffer[:numel], buffer, self.free))).view(shape)
+
+
+def _alike(value: torch.Tensor, rows: int, pin: bool, pool: Optional[Pool]) -> torch.Tensor:
+    shape = (rows,) + tuple(value.shape[1:])
+    if pool is not None and not pin and value.dtype == torch.float32:
+        return pool.empty(shape)
+    return torch.empty(shape, dtype=value.dtype, pin_memory=pin)
+
+
+def _fill(parts: List[Tuple[Dict, List[int]]], rows: int, pin: bool, pool: Optional[Pool]):
     first = parts[0][0]
     if isinstance(first, dict):
-        return {key: _fill([(part[key], index) for part, index in parts], rows, pin) for key in first}
-    out = _alike(first, rows, pin)
+        return {key: _fill([(part[key], index) for part, index in parts], rows, pin, pool) for key in first}
+    out = _alike(first, rows, pin, pool)
     for value, index in parts:
-        out.index_copy_(0, index, value)
+        _copy_rows(out, value, index)
     return out
 
 
-def assemble(parts: List[Tuple[Optional[Dict], Dict]], batch_size: int, pin: bool = False) -> Tuple[Dict, Dict]:
+def _copy_rows(out: torch.Tensor, value: torch.Tensor, index: List[int]) -> None:
+    if value[0].numel() * value.element_size() >= BIG_ROW:
+        for source, row in zip(value, index):
+            out[row].copy_(source)
+    else:
+        out.index_copy_(0, torch.tensor(index, dtype=torch.long), value)
+
+
+def _into(full: List[Tuple[Dict, Dict]], batch_size: int, pool: Optional[Pool], target: torch.Tensor) -> Dict:
+    """The batch with ``target`` (a ring buffer, ``ring``) as its patches: the rows the workers wrote there stay,
+    the others are copied in."""
+    small = [({**part, "image": {k: v for k, v in part["image"].items() if k != "patches"}}, m["rows"])
+             for part, m in full]
+    batch = _fill(small, batch_size, False, pool)
+    for part, m in full:
+        if m.get("ring") is None:
+            _copy_rows(target, part["image"]["patches"], m["rows"])
+    batch["image"]["patches"] = target
+    return batch
+
+
+def assemble(parts: List[Tuple[Optional[Dict], Dict]], batch_size: int, pin: bool = False,
+             pool: Optional[Pool] = None, target: Optional[torch.Tensor] = None,
+             buffer: Optional[int] = None) -> Tuple[Dict, Dict]:
     """``(batch, meta)`` from one batch's ``(part, meta)`` pairs; ``meta`` sums the parts' counts and has
-    ``keys``, each row's sample key (``url#key``)."""
+    ``keys``, each row's sample key (``url#key``). ``target``: the ring buffer ``buffer`` assigned to the
+    batch, which parts with ``meta["ring"]`` have written their rows into."""
     full = [(part, meta) for part, meta in parts if part is not None]
     meta = {"index": parts[0][1]["index"], "samples": sum(m.get("samples", 0) for _, m in full),
             "image_tokens": sum(m.get("image_tokens", 0) for _, m in full),
@@ -41,11 +105,16 @@ def assemble(parts: List[Tuple[Optional[Dict], Dict]], batch_size: int, pin: boo
         for row, key in zip(m["rows"], m.get("keys", ())):
             keys[row] = key
     meta["keys"] = keys
+    for _, m in full:
+        if m.get("ring") is not None and (target is None or m["ring"] != buffer):
+            raise RuntimeError(f"batch {meta['index']}: a worker wrote its rows into ring buffer {m['ring']}, "
+                               f"which the loader did not assign to it")
+    if target is not None and len(full) > 1 or any(m.get("ring") is not None for _, m in full):
+        return _into(full, batch_size, pool, target), meta
     if len(full) == 1:
         return full[0][0], meta
     pin = pin and torch.cuda.is_available() and all(_pinned(part) for part, _ in full)
-    indexed = [(part, torch.tensor(m["rows"], dtype=torch.long)) for part, m in full]
-    return _fill(indexed, batch_size, pin), meta
+    return _fill([(part, m["rows"]) for part, m in full], batch_size, pin, pool), meta
 
 
 def _pinned(part: Dict) -> bool:

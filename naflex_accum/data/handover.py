@@ -119,12 +119,18 @@ def pack(item: Tuple[Optional[Dict], Dict]) -> Tuple[Optional[Dict], Dict]:
 
     Only patches in shared memory go through torch's file-descriptor passing, whose authenticated
     hand-over per tensor costs both processes more than the pipe does for these few kilobytes.
+    Where ``meta`` has the part's patch grid (``grid``: each row's patch count and width, and
+    ``seq_len``), the coordinates and mask stay behind: the receiver rebuilds them from it
+    (``naflex.patch_grid``, as the collate made them), a few hundred bytes for ~100 KB.
     """
     batch, meta = item
     if batch is None:
         return item
     image = batch["image"]
-    image = {**image, "patch_coord": image["patch_coord"].numpy(), "patch_valid": image["patch_valid"].numpy()}
+    if "grid" in meta:
+        image = {key: value for key, value in image.items() if key not in ("patch_coord", "patch_valid")}
+    else:
+        image = {**image, "patch_coord": image["patch_coord"].numpy(), "patch_valid": image["patch_valid"].numpy()}
     return {"image": image, "text": batch["text"].numpy()}, meta
 
 
@@ -165,7 +171,7 @@ class Receiver:
         lease = _Lease(memory[:int(np.prod(ref.shape))], self.flags[ref.worker], ref.slot)
         return torch.from_numpy(np.asarray(lease)).view(ref.shape)
 
-    def __call__(self, batch: Dict) -> Dict:
+    def __call__(self, batch: Dict, meta: Optional[Dict] = None) -> Dict:
         """A batch as a worker packed it, with tensors again (sharing the memory, no copy)."""
         def tensor(value):
             if isinstance(value, dict):
@@ -173,4 +179,10 @@ class Receiver:
             if isinstance(value, SlotRef):
                 return self.patches(value)
             return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
-        return tensor(batch)
+        batch = tensor(batch)
+        if "patch_coord" not in batch["image"] and meta is not None and "grid" in meta:
+            from ..naflex import patch_grid
+            counts, widths = zip(*meta["grid"])
+            coord, valid = patch_grid(counts, widths, meta["seq_len"])
+            batch["image"].update(patch_coord=coord, patch_valid=valid)
+        return batch

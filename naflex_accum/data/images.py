@@ -15,7 +15,10 @@ scale and are refused.
 limit, a JPEG/PNG/WebP stream that ends early): ``decode_rgb`` runs it first, and a
 resumed epoch runs it, alone, on the samples it skips, so both count the same
 samples as undecodable without the skip decoding anything. ``readable(data)`` is
-the read-time check: a known signature, else Pillow identifies the format.
+the read-time check: a known signature, else Pillow identifies the format. For a
+JPEG the header walk also reads the frame (kind, sample precision, components)
+and any EXIF orientation, which make ``ImageInfo.scalable``: whether ``decode``'s
+DCT-scaled path would convert it exactly as ``decode_rgb`` does.
 """
 import io
 import warnings
@@ -35,6 +38,7 @@ class ImageInfo(NamedTuple):
     alpha: bool = False
     bits16: bool = False
     torchvision: bool = True
+    scalable: bool = False  # a JPEG that a DCT-scaled decode converts as decode_rgb does (``decode``)
 
 
 def sniff(data: bytes):
@@ -65,8 +69,27 @@ def _le(b: bytes) -> int:
     return int.from_bytes(b, "little")
 
 
+def _exif_orientation(segment: bytes) -> int:
+    """The orientation tag (1-8) of an APP1 Exif payload, 1 where it has none, 0 where it cannot be read."""
+    tiff = segment[6:]
+    order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
+    if order is None or len(tiff) < 8:
+        return 0
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return 0
+    for k in range(int.from_bytes(tiff[ifd:ifd + 2], order)):
+        entry = tiff[ifd + 2 + 12 * k:ifd + 14 + 12 * k]
+        if len(entry) < 12:
+            return 0
+        if int.from_bytes(entry[:2], order) == 0x0112:
+            value = int.from_bytes(entry[8:10], order)
+            return value if 1 <= value <= 8 else 0
+    return 1
+
+
 def _jpeg(data: bytes) -> ImageInfo:
-    pos, n, size = 2, len(data), None
+    pos, n, size, frame, orientations = 2, len(data), None, None, []
     while pos + 4 <= n:
         if data[pos] != 0xFF:
             raise ValueError(f"JPEG marker expected at byte {pos}")
@@ -77,17 +100,25 @@ def _jpeg(data: bytes) -> ImageInfo:
         if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
             pos += 2
             continue
+        length = data[pos + 2] << 8 | data[pos + 3]  # big-endian segment length
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # start of frame
-            if pos + 9 > n:
+            if pos + 10 > n:
                 raise ValueError("JPEG data ends inside its frame header")
             size = (data[pos + 5] << 8 | data[pos + 6], data[pos + 7] << 8 | data[pos + 8])  # height, width
+            frame = (marker, data[pos + 4], data[pos + 9])  # kind, bits per sample, components
+        elif marker == 0xE1 and data[pos + 4:pos + 10] == b"Exif\x00\x00":
+            orientations.append(_exif_orientation(data[pos + 4:pos + 2 + length]))
         elif marker == 0xDA:  # start of scan: entropy-coded data follows, which never holds FF D9
             if size is None or 0 in size:
                 raise ValueError("JPEG without a frame size")
             if data.rfind(b"\xff\xd9", pos) < 0:
                 raise ValueError("JPEG data ends early (no end-of-image marker)")
-            return ImageInfo(_JPEG, *size)
-        pos += 2 + (data[pos + 2] << 8 | data[pos + 3])  # big-endian segment length
+            # baseline, extended or progressive Huffman, 8-bit, grey or YCbCr/RGB, and upright: what a scaled
+            # decode converts exactly as the full one (12-bit, CMYK, lossless, EXIF rotations go the full way)
+            scalable = frame[0] in (0xC0, 0xC1, 0xC2) and frame[1] == 8 and frame[2] in (1, 3) \
+                and orientations in ([], [1])
+            return ImageInfo(_JPEG, *size, scalable=scalable)
+        pos += 2 + length
     raise ValueError("JPEG data ends before its first scan")
 
 

@@ -12,6 +12,7 @@ epochs; with ``pin_memory`` (for CUDA) batches arrive in pinned memory. A worker
 that dies, raises or sends nothing for ``DataConfig.timeout`` seconds raises
 torch's error in the main process, which ``workers.failure`` names in one line.
 """
+import gc
 import logging
 import signal
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -19,15 +20,18 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..errors import UsageError, check_int
-from .assemble import assemble
+from .assemble import Pool, assemble
+from .decode import check_mode
 from .handover import Receiver
 from .order import Segment, check_slots, default_slots
 from .pipeline import TrainStream, ValStream
+from .ring import Ring
 from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import dataset_size, expand_sources, expand_urls, shard_weights
 from .workers import raise_pending, register as register_workers, stop as stop_workers
 
 log = logging.getLogger("naflex_accum.data")
+RING_LOOKAHEAD = 4  # batches past the one delivered that get a ring buffer: more than workers run ahead
 LOG_LIMIT = 20
 
 
@@ -66,9 +70,21 @@ class _Counter:
                         self.stats["samples"])
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
-    """The trainer's main process decides when a run stops (finish the step, save, exit): a SIGTERM or
-    SIGUSR1 sent to the whole process group (SLURM, Kubernetes) must not kill a worker under it."""
+def freeze_heap() -> None:
+    """Exempt every object alive now (modules, the model, the loader) from the cyclic garbage collector.
+
+    They are never garbage, yet each full collection walks them all: about 0.2 s over the ~400,000
+    objects torch, timm and open_clip leave, several times an epoch, 5-10% of a loader's CPU on photos;
+    in a forked worker the walk also copies the parent's pages. Objects made later are collected as ever.
+    """
+    gc.freeze()
+
+
+def _init_worker(worker_id: int) -> None:
+    """Freeze the inherited heap (``freeze_heap``), and leave stopping to the main process: it decides when a
+    run stops (finish the step, save, exit), so a SIGTERM or SIGUSR1 sent to the whole process group (SLURM,
+    Kubernetes) must not kill a worker under it."""
+    freeze_heap()
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
 
@@ -82,7 +98,7 @@ def _pinned(batch):
 def _data_loader(dataset, workers: int, pin_memory: bool, persistent: bool = False):
     return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_passthrough,
                                        pin_memory=pin_memory and torch.cuda.is_available(),
-                                       persistent_workers=persistent, worker_init_fn=_ignore_stop_signals)
+                                       persistent_workers=persistent, worker_init_fn=_init_worker)
 
 
 def _iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -> Iterator:
@@ -101,7 +117,7 @@ def _iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) 
             return
         batch, meta = item
         if batch is not None:
-            batch = receive(batch)
+            batch = receive(batch, meta)
             # the DataLoader's pin thread has pinned the patches already (pin_memory keeps those as they are)
             batch = _pinned(batch) if pin else batch
         yield batch, meta
@@ -120,11 +136,13 @@ class TrainLoader:
     def __init__(self, cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False):
         self.cfg, self.tokenizer, self.pin_memory = cfg, tokenizer, pin_memory
         self._plan = Schedule(cfg)
+        self._pool = Pool()  # memory for batches put together from several workers' parts
         check_int(cfg.workers, "--workers", 0)
         check_int(cfg.rank, "rank", 0)
         if cfg.rank >= cfg.world_size:
             raise UsageError(f"rank {cfg.rank} is not below world_size {cfg.world_size}")
         check_int(cfg.shuffle_buffer, "shuffle_buffer", 0)
+        check_mode(cfg.image_decode)
         sources = expand_sources(cfg.train_data, "--train-data")
         self.urls = [url for source in sources for url in source]
         self.weights = shard_weights(sources, cfg.upsampling_factors, bool(cfg.dataset_resampled))
@@ -146,10 +164,13 @@ class TrainLoader:
                                  cfg.world_size)
         self.segment = Segment(0, self.num_batches, cfg.world_size, self.slots)
         # the segment and start batch (``_write_position``); in shared memory, so persistent workers see set_epoch
-        self._position = torch.zeros(7, dtype=torch.int64).share_memory_()
+        # and, last, the iteration's generation (``ring``)
+        self._position = torch.zeros(8, dtype=torch.int64).share_memory_()
         self._write_position(self.segment, 0)
         self._workers = None  # the persistent DataLoader (with workers) and its Receiver
         self._receiver = None
+        self._ring = None  # with 2+ workers: the batches' shared buffers, made before the workers start
+        self._generation = 0
         self.stats = _Counter("--train-data", 0).stats
 
     def __len__(self) -> int:
@@ -166,7 +187,7 @@ class TrainLoader:
     def _write_position(self, segment: Segment, start_batch: int) -> None:
         values = (segment.epoch, start_batch, segment.base, segment.num_batches, segment.world_size,
                   segment.slots, segment.first_step)
-        self._position.copy_(torch.tensor(values, dtype=torch.int64))
+        self._position[:7].copy_(torch.tensor(values, dtype=torch.int64))
 
     def set_epoch(self, epoch: int, start_batch: int = 0, segment: Optional[Segment] = None):
         """Iterate epoch ``epoch`` (or ``segment`` of it) from its batch ``start_batch`` on (a resume inside it).
@@ -208,19 +229,29 @@ class TrainLoader:
         segment = self.segment
         return self._plan.epoch(segment.epoch, segment.num_batches, segment.base)
 
-    def stream(self, position: Optional[torch.Tensor] = None) -> TrainStream:
+    def stream(self, position: Optional[torch.Tensor] = None, ring: Optional[Ring] = None) -> TrainStream:
         cfg = self.cfg
         position = self._position.clone() if position is None else position
+        recycle = not (self.pin_memory and torch.cuda.is_available())
         return TrainStream(self.urls, self._plan, position, cfg.rank, cfg.workers, cfg.shuffle_buffer,
-                           self.tokenizer, bool(cfg.dataset_resampled), self.weights,
-                           recycle=not (self.pin_memory and torch.cuda.is_available()))
+                           self.tokenizer, bool(cfg.dataset_resampled), self.weights, recycle=recycle,
+                           decode=cfg.image_decode, ring=ring)
+
+    def _make_ring(self) -> Optional[Ring]:
+        """Shared batch buffers for 2+ workers that hand over in recycled memory (a pinned loader copies anyway)."""
+        if self.cfg.workers < 2 or (self.pin_memory and torch.cuda.is_available()):
+            return None
+        plan = self._plan
+        capacity = max(b * s for b, s in zip(plan.batch_sizes, plan.seq_lens)) * max(plan.patch_sizes) ** 2 * 3
+        return Ring(RING_LOOKAHEAD + self.cfg.accum_freq + 2, capacity, RING_LOOKAHEAD)
 
     def _source(self) -> Iterator:
         if self.cfg.workers == 0:
             stream = self.stream()
             return _iterate(stream, self.pin_memory, Receiver(stream.flags))
         if self._workers is None:  # built once: its workers read the shared position at each epoch's start
-            stream = self.stream(self._position)
+            self._ring = self._ring or self._make_ring()
+            stream = self.stream(self._position, self._ring)
             self._workers = _data_loader(stream, self.cfg.workers, self.pin_memory, persistent=True)
             self._receiver = Receiver(stream.flags)
         return _iterate(self._workers, self.pin_memory, self._receiver, self.cfg.timeout)
@@ -235,11 +266,27 @@ class TrainLoader:
     def __iter__(self) -> Iterator[Dict]:
         return (batch for batch, _ in self.iter_meta())
 
+    def _target_for(self, ring: Optional[Ring], spec: BatchSpec, index: int):
+        """(the patches tensor over batch ``index``'s ring buffer, the buffer), or (None, None) if it has none."""
+        if ring is None:
+            return None, None
+        buffer = ring.assigned.get(index)
+        p = spec.patch_size
+        shape = (spec.batch_size, spec.seq_len) + ((p * p * 3,) if not self._plan.multi_patch else (p, p, 3))
+        target = ring.take(index, spec.batch_size * spec.seq_len * p * p * 3, shape)
+        return (target, buffer) if target is not None else (None, None)
+
     def iter_meta(self) -> Iterator[Tuple[Dict, Dict]]:
+        freeze_heap()  # what the training process holds at an epoch's start (0 workers build batches here)
         counter = _Counter(f"--train-data (epoch {self.epoch}, rank {self.cfg.rank})", self.epoch)
         self.stats = counter.stats
         specs, parts_per_batch = self.schedule(), max(1, self.cfg.workers)
+        self._generation += 1
+        self._position[7] = self._generation
         source = self._source()
+        ring = self._ring if self.cfg.workers >= 2 else None
+        if ring is not None:
+            ring.begin(self._generation, self.start_batch, len(specs), self.cfg.workers)
         pending, expected = {}, self.start_batch
         try:
             for part, meta in source:
@@ -247,8 +294,12 @@ class TrainLoader:
                     raise UsageError(meta["error"])
                 # The DataLoader delivers in order already; the buffer makes that a guarantee, not an assumption.
                 pending.setdefault(meta["index"], []).append((part, meta))
+                if ring is not None:
+                    ring.received(meta.get("worker"))
                 while len(pending.get(expected, ())) == parts_per_batch:
-                    batch, meta = assemble(pending.pop(expected), specs[expected].batch_size, self.pin_memory)
+                    target, buffer = self._target_for(ring, specs[expected], expected)
+                    batch, meta = assemble(pending.pop(expected), specs[expected].batch_size, self.pin_memory,
+                                           self._pool, target, buffer)
                     counter.add(meta, batch)
                     expected += 1
                     yield batch, meta
@@ -264,8 +315,9 @@ class ValLoader:
     """Every held-out sample once, in a fixed order, in batches of ``batch_size`` (the last may be smaller)."""
 
     def __init__(self, val_data: str, tokenizer: Callable, seq_len: int = 144, batch_size: int = 64,
-                 patch_size: int = 16, workers: int = 0, pin_memory: bool = False):
+                 patch_size: int = 16, workers: int = 0, pin_memory: bool = False, decode: str = "scaled"):
         self.urls = expand_urls(val_data, "--val-data")
+        self.decode = check_mode(decode)
         self.seq_len = check_int(seq_len, "val seq_len", 1, "an integer >= 1")
         self.batch_size = check_int(batch_size, "val batch_size", 1, "an integer >= 1")
         self.patch_size = check_int(patch_size, "val patch_size", 1, "an integer >= 1")
@@ -288,7 +340,7 @@ class ValLoader:
     def __iter__(self) -> Iterator[Dict]:
         counter = _Counter("--val-data")
         self.stats = counter.stats
-        stream = ValStream(self.urls, self.seq_len, self.batch_size, self.patch_size, self.tokenizer)
+        stream = ValStream(self.urls, self.seq_len, self.batch_size, self.patch_size, self.tokenizer, self.decode)
         count = min(self.workers, len(self.urls))
         source = _iterate(_data_loader(stream, count, self.pin_memory) if count else stream, self.pin_memory,
                           Receiver())
@@ -312,6 +364,7 @@ def make_train_loader(cfg: DataConfig, tokenizer: Callable, pin_memory: bool = F
 
 
 def make_val_loader(val_data: str, tokenizer: Callable, seq_len: int = 144, batch_size: int = 64,
-                    patch_size: int = 16, workers: int = 0, pin_memory: bool = False) -> ValLoader:
+                    patch_size: int = 16, workers: int = 0, pin_memory: bool = False,
+                    decode: str = "scaled") -> ValLoader:
     """The held-out loader (see ValLoader)."""
-    return ValLoader(val_data, tokenizer, seq_len, batch_size, patch_size, workers, pin_memory)
+    return ValLoader(val_data, tokenizer, seq_len, batch_size, patch_size, workers, pin_memory, decode)

@@ -26,9 +26,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import UsageError
-from ..naflex import collate_images, resize_for_seq
+from ..naflex import collate_images
+from .decode import decode_for_seq
 from .handover import WorkerSlots, fresh_shared, new_flags, pack
-from .images import decode_rgb, inspect
+from .images import inspect
 from .order import Segment, batch_positions, cursors, skipped_before, worker_slots
 from .samples import Corruption, RawSample, sample_stream, shard_samples, shuffled
 from .schedule import BatchSpec, Schedule, derive_seed
@@ -62,11 +63,12 @@ def _take(samples: Iterator[RawSample], count: int, use: Callable, report: Corru
 
 
 def decode_samples(samples: Iterator[RawSample], count: int, seq_len: int, patch_size: int,
-                   report: Corruption, flag: str) -> Tuple[List[torch.Tensor], List[str], List[str]]:
-    """Up to ``count`` decoded, resized uint8 images, their captions and their sample keys (``url#key``);
-    failures are skipped and reported."""
+                   report: Corruption, flag: str, decode: str = "scaled"
+                   ) -> Tuple[List[torch.Tensor], List[str], List[str]]:
+    """Up to ``count`` uint8 images at their NaFlex size (``decode``), their captions and their sample keys
+    (``url#key``); failures are skipped and reported."""
     def use(raw):
-        return resize_for_seq(decode_rgb(raw.data), seq_len, patch_size), raw.caption, f"{raw.url}#{raw.key}"
+        return decode_for_seq(raw.data, seq_len, patch_size, decode), raw.caption, f"{raw.url}#{raw.key}"
     taken = _take(samples, count, use, report, flag)
     return [t[0] for t in taken], [t[1] for t in taken], [t[2] for t in taken]
 
@@ -77,9 +79,11 @@ def skip_samples(samples: Iterator[RawSample], count: int, report: Corruption, f
 
 
 def make_batch(images: List[torch.Tensor], captions: List[str], seq_len: int, patch_size: int, flatten: bool,
-               tokenize: Callable, alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict:
-    """The model's batch; ``alloc`` supplies the patches' memory (shared memory, ``handover``), else a new tensor."""
-    return {"image": collate_images(images, seq_len, patch_size, flatten, alloc=alloc), "text": tokenize(captions)}
+               tokenize: Callable, alloc: Optional[Callable[[int], torch.Tensor]] = None, into=None) -> Dict:
+    """The model's batch; ``alloc`` supplies the patches' memory (shared memory, ``handover``), else a new tensor;
+    ``into=(patches, rows)`` writes them into those rows of a batch several workers fill (``ring``) instead."""
+    return {"image": collate_images(images, seq_len, patch_size, flatten, alloc=alloc, into=into),
+            "text": tokenize(captions)}
 
 
 def batch_meta(index: int, batch: Dict, report: Corruption) -> Dict:
@@ -96,7 +100,7 @@ def _worker() -> Tuple[int, Optional[int]]:
 
 def _segment(position: torch.Tensor) -> Tuple[Segment, int]:
     """The segment and start batch a ``TrainLoader`` wrote into ``position`` (see ``TrainLoader.position``)."""
-    epoch, start, base, num_batches, world, slots, first = (int(x) for x in position)
+    epoch, start, base, num_batches, world, slots, first = (int(x) for x in position[:7])
     return Segment(epoch, num_batches, world, slots, base, first), start
 
 
@@ -117,8 +121,10 @@ class TrainStream(torch.utils.data.IterableDataset):
 
     def __init__(self, urls: Sequence[str], plan: Schedule, position: torch.Tensor, rank: int, workers: int,
                  shuffle_buffer: int, tokenizer: Callable, resampled: bool = False,
-                 weights: Optional[Sequence[float]] = None, recycle: bool = False):
+                 weights: Optional[Sequence[float]] = None, recycle: bool = False, decode: str = "scaled",
+                 ring=None):
         super().__init__()
+        self.decode, self.ring = decode, ring
         self.urls, self.plan, self.position = list(urls), plan, position
         self.rank, self.workers = rank, max(1, workers)
         self.shuffle_buffer, self.tokenize = shuffle_buffer, BatchTokenizer(tokenizer)
@@ -171,29 +177,44 @@ class TrainStream(torch.utils.data.IterableDataset):
             for slot, samples in streams.items():
                 skip_samples(samples, skipped_before(resume_at, slot, segment.slots), report, "--train-data")
         flatten = not self.plan.multi_patch
+        generation = int(self.position[7]) if len(self.position) > 7 else 0
         for index in range(start, len(specs)):
             spec: BatchSpec = specs[index]
             rows = {slot: [] for slot in owned}
             for row, position in enumerate(batch_positions(segment, self.rank, firsts[index], spec.batch_size)):
                 if position % segment.slots in rows:
                     rows[position % segment.slots].append(row)
-            part = _part(streams, rows, spec, report)
+            part = _part(streams, rows, spec, report, self.decode)
             if part is None:
                 corrupt, messages = report.drain()
-                yield None, {"index": index, "rows": [], "corrupt": corrupt, "messages": messages}
+                yield None, {"index": index, "rows": [], "corrupt": corrupt, "messages": messages, "worker": worker}
                 continue
             order, images, captions, keys = part
-            batch = make_batch(images, captions, spec.seq_len, spec.patch_size, flatten, self.tokenize, alloc)
-            yield batch, dict(batch_meta(index, batch, report), rows=order, keys=keys)
+            into, buffer = self._ring_rows(generation, index, spec, order)
+            batch = make_batch(images, captions, spec.seq_len, spec.patch_size, flatten, self.tokenize,
+                               None if into else alloc, into)
+            p = spec.patch_size
+            grid = [((img.shape[1] // p) * (img.shape[2] // p), img.shape[2] // p) for img in images]
+            yield batch, dict(batch_meta(index, batch, report), rows=order, keys=keys, worker=worker, ring=buffer,
+                              grid=grid, seq_len=spec.seq_len)
+
+    def _ring_rows(self, generation: int, index: int, spec: BatchSpec, rows: List[int]):
+        """``((patches, rows), buffer)`` when the main process assigned batch ``index`` a ring buffer, else (None, None)."""
+        buffer = None if self.ring is None else self.ring.lookup(generation, index)
+        shape = (spec.batch_size, spec.seq_len, spec.patch_size ** 2 * 3)
+        if buffer is None or spec.batch_size * shape[1] * shape[2] > self.ring.capacity:
+            return None, None
+        memory = self.ring.memory[buffer][:spec.batch_size * shape[1] * shape[2]].view(shape)
+        return (memory, rows), buffer
 
 
-def _part(streams: Dict, rows: Dict[int, List[int]], spec: BatchSpec, report: Corruption):
+def _part(streams: Dict, rows: Dict[int, List[int]], spec: BatchSpec, report: Corruption, decode: str):
     """``(rows, images, captions, keys)`` of one worker's part of a batch, rows ascending; None when it has none."""
     taken = []
     for slot, slot_rows in rows.items():
         if slot_rows:
             images, captions, keys = decode_samples(streams[slot], len(slot_rows), spec.seq_len, spec.patch_size,
-                                                    report, "--train-data")
+                                                    report, "--train-data", decode)
             taken.extend(zip(slot_rows, images, captions, keys))
     if not taken:
         return None
@@ -204,8 +225,10 @@ def _part(streams: Dict, rows: Dict[int, List[int]], spec: BatchSpec, report: Co
 class ValStream(torch.utils.data.IterableDataset):
     """Held-out batches in a fixed order: shards in the given order (worker w reads shards w, w+W, ...)."""
 
-    def __init__(self, urls: Sequence[str], seq_len: int, batch_size: int, patch_size: int, tokenizer: Callable):
+    def __init__(self, urls: Sequence[str], seq_len: int, batch_size: int, patch_size: int, tokenizer: Callable,
+                 decode: str = "scaled"):
         super().__init__()
+        self.decode = decode
         self.urls, self.seq_len, self.batch_size = list(urls), seq_len, batch_size
         self.patch_size, self.tokenize = patch_size, BatchTokenizer(tokenizer)
 
@@ -217,7 +240,7 @@ class ValStream(torch.utils.data.IterableDataset):
         try:
             while True:
                 images, captions, _ = decode_samples(samples, self.batch_size, self.seq_len, self.patch_size,
-                                                  report, "--val-data")
+                                                  report, "--val-data", self.decode)
                 if not images:
                     break
                 batch = make_batch(images, captions, self.seq_len, self.patch_size, True, self.tokenize,

@@ -40,6 +40,7 @@ class DataConfig:
     upsampling_factors: Optional[Sequence[float]] = None  # --train-data-upsampling-factors: one per '::' source
     timeout: float = 600.0                          # --data-timeout: seconds without a batch from the workers
     slots: Optional[int] = None                     # --data-slots: the global order's slots (None: world * workers)
+    image_decode: str = "scaled"                    # --image-decode: "scaled" (DCT-scaled JPEGs) or "full"
 
 
 class BatchSpec(NamedTuple):

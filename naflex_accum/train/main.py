@@ -114,12 +114,13 @@ def build_data(args, world, model, device):
         patch_sizes=tuple(args.naflex_patch_sizes), num_samples=args.train_num_samples,
         num_image_tokens=args.naflex_num_train_image_tokens, accum_freq=args.accum_freq,
         seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size,
-        timeout=args.data_timeout, slots=args.data_slots, **data_options(args))
+        timeout=args.data_timeout, slots=args.data_slots, image_decode=args.image_decode, **data_options(args))
     train = make_train_loader(cfg, tokenizer, pin_memory=device.type == "cuda")
     val = None
     if args.val_data and world.is_master:
         val = make_val_loader(args.val_data, tokenizer, seq_len=args.val_seq_len or max(args.naflex_seq_lens),
-                              batch_size=args.val_batch_size, patch_size=args.naflex_patch_sizes[0], workers=0)
+                              batch_size=args.val_batch_size, patch_size=args.naflex_patch_sizes[0], workers=0,
+                              decode=args.image_decode)
     return train, val
 
 

@@ -43,6 +43,10 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     d.add_argument("--data-slots", type=int, default=None,
                    help="slots of the global sample order (a multiple of every world size the run may have; "
                         "default: world size x --workers at the start); kept by a resume inside an epoch")
+    d.add_argument("--image-decode", choices=("scaled", "full"), default="scaled",
+                   help="scaled: decode each JPEG at the largest DCT reduction (1/2, 1/4, 1/8) that keeps it at or "
+                        "above its NaFlex size, then resize; full: decode every image at full size, then resize "
+                        "(slower, the pixels before scaled decoding)")
     d.add_argument("--naflex-seq-lens", type=int, nargs="+", default=[64, 144, 256])
     d.add_argument("--naflex-seq-len-probs", type=float, nargs="+", default=None)
     d.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096)

@@ -16,7 +16,6 @@ name formatted from its ``.json`` fields) or from an ImageNet folder
 (``--imagenet-val``: class subfolders in sorted order; ``--imagenet-v2``:
 subfolders named by class index).
 """
-import io
 import logging
 import os
 from pathlib import Path
@@ -214,33 +213,36 @@ class FolderSource:
 
 
 class LabelledBatches(torch.utils.data.IterableDataset):
-    """``(NaFlex image batch, labels)`` of a source, built in the loader's workers; last yield is the problems."""
+    """``(NaFlex image batch, labels)`` of a source, built in the loader's workers; last yield is the problems.
 
-    def __init__(self, source, seq_len: int, patch_size: int, batch_size: int):
+    Images become patches exactly as the training and held-out batches do (``data.decode.decode_for_seq``,
+    then ``naflex.collate_images``), so zero-shot accuracy is measured on the pixels training sees.
+    """
+
+    def __init__(self, source, seq_len: int, patch_size: int, batch_size: int, decode: str = "scaled"):
         super().__init__()
         self.source, self.seq_len, self.patch_size, self.batch_size = source, seq_len, patch_size, batch_size
+        self.decode = decode
 
     def __iter__(self):
-        from PIL import Image
-
-        from ..naflex import collate_uint8_patches, pil_to_patches
+        from ..data.decode import decode_for_seq
+        from ..naflex import collate_images
 
         info = torch.utils.data.get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         problems, items, labels = Problems(), [], []
         for data, label in self.source.items(worker, workers, problems):
             try:
-                with Image.open(io.BytesIO(data)) as image:
-                    items.append(pil_to_patches(image, self.seq_len, self.patch_size))
+                items.append(decode_for_seq(data, self.seq_len, self.patch_size, self.decode))
             except Exception as exc:  # any undecodable image: skip and count it
                 problems.add(f"undecodable image ({type(exc).__name__}: {exc})")
                 continue
             labels.append(label)
             if len(items) == self.batch_size:
-                yield collate_uint8_patches(items, self.seq_len), torch.tensor(labels)
+                yield collate_images(items, self.seq_len, self.patch_size), torch.tensor(labels)
                 items, labels = [], []
         if items:
-            yield collate_uint8_patches(items, self.seq_len), torch.tensor(labels)
+            yield collate_images(items, self.seq_len, self.patch_size), torch.tensor(labels)
         yield None, problems
 
 
@@ -302,9 +304,10 @@ class ZeroShot:
         self.frequency, self.epochs, self.workers = args.zeroshot_frequency, args.epochs, args.workers
         self.seq_len = args.val_seq_len or max(args.naflex_seq_lens)
         self.patch_size, self.batch_size = args.naflex_patch_sizes[0], args.val_batch_size
+        self.decode = args.image_decode
 
     def batches(self, source) -> Iterator:
-        stream = LabelledBatches(source, self.seq_len, self.patch_size, self.batch_size)
+        stream = LabelledBatches(source, self.seq_len, self.patch_size, self.batch_size, self.decode)
         workers = min(self.workers, len(source) // 2)  # a worker is worth starting only with work to share
         if workers < 2:
             return iter(stream)
