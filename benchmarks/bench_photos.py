@@ -22,7 +22,9 @@ spread (target: within 0.01 in normalised units, and 1% of the spread).
 import os
 import shutil
 import statistics
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +46,7 @@ def photo_data() -> str:
     out = photo_shards.CACHE / f"shards-{NUM}"
     pattern = str(out / "photos-{000000..000003}.tar")
     if not (out / "photos-000003.tar").is_file():
+        photo_shards.CACHE.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=photo_shards.CACHE))
         built = photo_shards.write_shards(tmp, NUM, NUM // 4)
         assert built.endswith("photos-{000000..000003}.tar"), built
@@ -67,7 +70,10 @@ def measure(data, repeats, workers_list, upstream_src):
                 for name in ZERO if workers == 0 else MORE:
                     if name == "upstream" and upstream_src is None:
                         continue
+                    started = time.perf_counter()
                     r = run_child(_spec(name, data, seq, workers), upstream_src)
+                    print(f"  ({name}, seq {seq}, {workers} workers: {_rate(r):.0f} images/s; the child took "
+                          f"{time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
                     if r["samples"] != NUM:
                         raise RuntimeError(f"{name} at seq {seq}, {workers} workers delivered {r['samples']} samples")
                     runs.setdefault((seq, workers, name), []).append(r)
