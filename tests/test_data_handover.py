@@ -149,3 +149,29 @@ def test_the_assembly_pool_reuses_a_buffer_only_when_nothing_holds_it():
     assert c.data_ptr() == address  # free again, and big enough (within 2x)
     del b, c
     assert pool.empty((64, 8)).shape == (64, 8) and len(pool.free) <= 2  # too small ones stay, at most `keep`
+
+
+def test_the_training_process_collects_before_it_freezes_its_heap(shards):
+    """The first epoch freezes what the training process holds (``loader.freeze_heap``): cyclic garbage made
+    before must be collected first, since a frozen cycle is never freed; later epochs freeze nothing more."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    loader = make_train_loader(config(shards), CharTokenizer())
+    try:
+        for epoch in range(2):
+            cycle = Node()
+            cycle.self = cycle
+            alive = weakref.ref(cycle)
+            del cycle
+            loader.set_epoch(epoch)
+            frozen = gc.get_freeze_count()
+            next(iter(loader.iter_meta()))
+            assert epoch == 1 or gc.get_freeze_count() > frozen
+            gc.collect()
+            assert alive() is None, f"epoch {epoch}: a cycle dropped before the epoch was frozen, never freed"
+    finally:
+        gc.unfreeze()
