@@ -47,15 +47,16 @@ import resource
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
+import upstream_snapshot
+
 ROOT = Path(__file__).resolve().parents[1]
-SNAPSHOT = ROOT.parent / "shared" / "upstream" / "open_clip-89fb801.tar.gz"
+SNAPSHOT = upstream_snapshot.SNAPSHOT
 SRC_ENV = "NAFLEX_BENCH_UPSTREAM_SRC"  # set for memory probes: the extracted src, or "stand-in"
 
 # (vision: timm NaFlexVit size, text tower, N samples per window, NaFlex sequence length, embed dim)
@@ -90,14 +91,9 @@ def load_upstream(stand_in: bool, snapshot: Path):
     """Put upstream's src first on sys.path (extracting the snapshot once); return (its step, its label)."""
     src = os.environ.get(SRC_ENV)
     if src is None and not stand_in:
-        if not snapshot.is_file():
-            print(f"bench_accum: upstream snapshot {snapshot} not found; pass --upstream PATH to the "
-                  f"open_clip-89fb801.tar.gz, or --stand-in to time upstream's step as re-stated here", file=sys.stderr)
-            sys.exit(2)
-        folder = tempfile.mkdtemp(prefix="naflex-bench-upstream-")
-        with tarfile.open(snapshot) as tar:
-            tar.extractall(folder, filter="data")
-        src = str(next(Path(folder).glob("*/src")))
+        src = str(upstream_snapshot.extract(snapshot, what="bench_accum",
+                                            hint="pass --upstream PATH to the open_clip-89fb801.tar.gz, or "
+                                                 "--stand-in to time upstream's step as re-stated here"))
         os.environ[SRC_ENV] = src
     if stand_in or src == "stand-in":
         os.environ[SRC_ENV] = "stand-in"

@@ -22,17 +22,17 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_children import extract_upstream, run_child  # noqa: E402
+from data_children import run_child  # noqa: E402
+import upstream_snapshot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-UPSTREAM = ROOT.parent / "shared" / "upstream" / "open_clip-89fb801.tar.gz"
+UPSTREAM = upstream_snapshot.SNAPSHOT
 SEQ_LENS, BUDGET, DIVISOR, CONTEXT = (16, 36, 64), 2048, 4, 77
 KINDS = ("floor", "ours", "upstream")
 
@@ -200,10 +200,10 @@ def main():
     print(f"demo data {data}; torch {torch.__version__}; {os.cpu_count()} CPUs; {args.num_samples} samples per "
           f"epoch; median of {args.repeats} fresh processes; CPU summed over each process and its workers\n")
     ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        if "pipeline" in args.only:
-            ok = pipeline_table(data, args, extract_upstream(tmp, args.upstream)) and ok
-            print()
+    if "pipeline" in args.only:
+        src = upstream_snapshot.extract(args.upstream, required=False, what="bench_data")
+        ok = pipeline_table(data, args, src and str(src)) and ok
+        print()
     if "decoders" in args.only:
         torch.set_num_threads(1)
         decoders_table(data)

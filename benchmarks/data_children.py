@@ -1,7 +1,8 @@
 """One data-loader measurement per fresh process, for ``bench_data.py`` (demo shards and ``--photos``).
 
 ``run_child(spec)`` runs this file with a JSON spec and returns what it printed: the samples and
-image tokens delivered, the wall seconds and the CPU seconds of the process and its loader workers.
+image tokens delivered, the wall seconds and the CPU seconds of the process and its loader workers;
+with ``epochs`` > 1 (floor, ours) the same for each later epoch of the same process under ``next``.
 Kinds:
   floor     tar read + decode + resize, nothing else; ``decode`` "full" (torchvision, full size) or
             "scaled" (``naflex_accum.data.decode``: DCT-scaled JPEG decode, then the same resize)
@@ -16,7 +17,6 @@ import os
 import resource
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -100,32 +100,47 @@ def _warm(decode):
         _decoder()
 
 
+def _epochs(spec, run_epoch):
+    """``[((samples, tokens), wall, cpu)]`` for each of ``spec["epochs"]`` epochs (default 1), one after another
+    in this process: the first pays the start-up (workers, shared memory), the next ones what a long run pays."""
+    out = []
+    for epoch in range(spec.get("epochs", 1)):
+        cpu, wall = _cpu(), time.perf_counter()
+        result = run_epoch(epoch)
+        out.append((result, time.perf_counter() - wall, _cpu() - cpu))
+    return out
+
+
 def child_floor(spec):
     loader = _our_loader(spec, workers=0)
     seq_lens = [s.seq_len for s in loader.schedule(0) for _ in range(s.batch_size)]
     dataset = FloorStream(loader.urls, seq_lens, spec["decode"])
     workers = spec["workers"]
     _warm(spec["decode"])
-    cpu, wall = _cpu(), time.perf_counter()
-    source = dataset if workers == 0 else torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
-    result = _drain(iter(source), lambda item: (int(item["samples"]), int(item["tokens"])))
-    return result, time.perf_counter() - wall, _cpu() - cpu
+
+    def epoch(_):  # a DataLoader without persistent workers starts its workers at every epoch
+        source = dataset if workers == 0 else torch.utils.data.DataLoader(dataset, batch_size=None,
+                                                                          num_workers=workers)
+        return _drain(iter(source), lambda item: (int(item["samples"]), int(item["tokens"])))
+    return _epochs(spec, epoch)
 
 
 def child_ours(spec):
     loader = _our_loader(spec)
-    loader.set_epoch(0)
     _warm(spec.get("decode", "scaled"))
-    keys = set()
-    cpu, wall = _cpu(), time.perf_counter()
 
-    def count(item):
-        keys.update(item[1]["keys"])
-        return item[1]["samples"], item[1]["image_tokens"]
-    result = _drain(loader.iter_meta(), count)
-    if spec.get("distinct") and len(keys) != result[0]:
-        raise RuntimeError(f"ours delivered {result[0]} samples but {len(keys)} distinct ones")
-    return result, time.perf_counter() - wall, _cpu() - cpu
+    def epoch(index):
+        keys = set()
+
+        def count(item):
+            keys.update(item[1]["keys"])
+            return item[1]["samples"], item[1]["image_tokens"]
+        loader.set_epoch(index)
+        result = _drain(loader.iter_meta(), count)
+        if spec.get("distinct") and len(keys) != result[0]:
+            raise RuntimeError(f"ours delivered {result[0]} samples but {len(keys)} distinct ones")
+        return result
+    return _epochs(spec, epoch)
 
 
 def child_upstream(spec):
@@ -194,15 +209,6 @@ def child_resume(spec, skip):
     return {"first": first, "start": start, "wall": reached, "cpu": _cpu() - cpu}
 
 
-def extract_upstream(tmp, archive: Path):
-    if not archive.is_file():
-        print(f"(no {archive}: upstream rows skipped)")
-        return None
-    with tarfile.open(archive) as tar:
-        tar.extractall(tmp, filter="data")
-    return str(next(Path(tmp).glob("open_clip-*")) / "src")
-
-
 def run_child(spec: dict, upstream_src=None) -> dict:
     """``spec``: kind, data, workers, num_samples, seq_lens, budget, divisor, context (and decode, distinct)."""
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
@@ -220,8 +226,11 @@ def main(spec):
     kind = spec["kind"]
     if kind.startswith("resume"):
         return print(json.dumps(child_resume(spec, skip=kind == "resume-skip")))
-    (samples, tokens), wall, cpu = globals()[f"child_{kind}"](spec)
-    print(json.dumps({"samples": samples, "tokens": tokens, "wall": wall, "cpu": cpu}))
+    runs = globals()[f"child_{kind}"](spec)
+    (samples, tokens), wall, cpu = runs[0] if isinstance(runs, list) else runs
+    later = [{"samples": s, "tokens": t, "wall": w, "cpu": c} for (s, t), w, c in runs[1:]] if isinstance(
+        runs, list) else []
+    print(json.dumps({"samples": samples, "tokens": tokens, "wall": wall, "cpu": cpu, "next": later}))
 
 
 if __name__ == "__main__":

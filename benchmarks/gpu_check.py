@@ -23,14 +23,15 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
+import upstream_snapshot
+
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / ".gpu-kit"
-SNAPSHOT = ROOT.parent / "shared" / "upstream" / "open_clip-89fb801.tar.gz"
+SNAPSHOT = upstream_snapshot.SNAPSHOT
 TESTS = ["tests/test_cuda.py", "tests/test_longrun_cuda.py",
          "tests/test_data_resume.py::test_persistent_pinned_workers_follow_set_epoch",
          "tests/test_data_resume.py::test_pinned_batches_reach_the_gpu_without_a_sync"]
@@ -49,13 +50,8 @@ def upstream_src() -> Path:
     found = sorted(KIT.glob("upstream/open_clip-*/src"))
     if found:
         return found[-1]
-    if not SNAPSHOT.is_file():
-        raise SystemExit(f"gpu_check: no pinned upstream: neither {KIT}/upstream (run `bash benchmarks/gpu_check.sh "
-                         f"prepare`) nor {SNAPSHOT}")
-    folder = Path(tempfile.mkdtemp(prefix="naflex-gpu-upstream-"))
-    with tarfile.open(SNAPSHOT) as tar:
-        tar.extractall(folder, filter="data")
-    return next(folder.glob("*/src"))
+    return upstream_snapshot.extract(SNAPSHOT, what="gpu_check",
+                                     hint=f"run `bash benchmarks/gpu_check.sh prepare` to copy it into {KIT}")
 
 
 def environment() -> dict:
