@@ -89,8 +89,9 @@ def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int
     """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one normalised, zero-padded NaFlex batch.
 
     One strided copy per image gathers its patches (row-major grid, channels-last
-    patches) into the float batch, converting as it goes; the normalise, the mask
-    and the coordinates are a few tensor ops for the whole batch. timm's
+    patches) into the float batch, converting as it goes, and one elementwise op
+    normalises them while they are still in the cache; the mask and the coordinates
+    are a few tensor ops for the whole batch. timm's
     ``NaFlexCollator`` would copy float patches one sample at a time instead.
     ``alloc(numel)``, if given, supplies the float32 memory for the patches (shared
     memory, so that handing the batch from a loader worker to the main process copies
@@ -109,6 +110,7 @@ def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int
     else:
         patches, targets = into
     flat, counts, widths, row = patches.numpy(), [], [], p * channels
+    shift, scale = _normaliser(tuple(mean), tuple(std), p * p)
     for i, img in enumerate(images):
         pixels = img.numpy()  # numpy from here: its calls cost a fraction of torch's on these small arrays
         _, h, w = pixels.shape
@@ -117,17 +119,14 @@ def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int
             raise ValueError(f"image {i} of {h}x{w} does not make at most {seq_len} whole {p}x{p} patches")
         # numpy's strided cast-copy is several times faster than torch's for these short (P*C-byte) rows
         grid = pixels.transpose(1, 2, 0).reshape(gh, p, gw, row).transpose(0, 2, 1, 3)
-        np.copyto(flat[targets[i], :gh * gw].reshape(gh, gw, p, row), grid, casting="unsafe")
-        counts.append(gh * gw)
+        count, target = gh * gw, targets[i]
+        np.copyto(flat[target, :count].reshape(gh, gw, p, row), grid, casting="unsafe")
+        # normalised at once, while the rows just written are still in the cache (a pass over the whole
+        # batch afterwards reads it back from memory), and only the image's own rows
+        torch.addcmul(shift, patches[target, :count], scale, out=patches[target, :count])
+        flat[target, count:] = 0.0  # padding: a memset of the image's tail
+        counts.append(count)
         widths.append(gw)
-    shift, scale = _normaliser(tuple(mean), tuple(std), p * p)
-    if into is None:
-        torch.addcmul(shift, patches, scale, out=patches)
-    else:  # the same elementwise op, on this part's rows only: other workers own the rest
-        for target, count in zip(targets, counts):
-            torch.addcmul(shift, patches[target, :count], scale, out=patches[target, :count])
-    for target, count in zip(targets, counts):
-        flat[target, count:] = 0.0  # padding: a memset of each image's tail
     coord, valid = patch_grid(counts, widths, seq_len)
     if into is not None:
         patches = None
