@@ -1,5 +1,8 @@
 # The README's commands. Each one sets up .venv first (scripts/setup.sh), so a fresh clone works.
 PY := .venv/bin/python
+# Test files run in parallel, one file per process (their fixtures are per file); at most 4 processes, since
+# many tests start 2-4 processes of their own. TEST_JOBS=0 runs them all in this one process.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
 .PHONY: setup test demo table clean-venv
 
@@ -7,7 +10,7 @@ setup:
 	@bash scripts/setup.sh
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 demo: setup
 	.venv/bin/naflex-accum demo
