@@ -55,7 +55,6 @@ from types import SimpleNamespace
 
 import upstream_snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = upstream_snapshot.SNAPSHOT
 SRC_ENV = "NAFLEX_BENCH_UPSTREAM_SRC"  # set for memory probes: the extracted src, or "stand-in"
 

@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_children import run_child  # noqa: E402
 import upstream_snapshot  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = upstream_snapshot.SNAPSHOT
 SEQ_LENS, BUDGET, DIVISOR, CONTEXT = (16, 36, 64), 2048, 4, 77
 KINDS = ("floor", "ours", "upstream")

@@ -185,7 +185,7 @@ def child_upstream(spec):
         valid = batch["image"]["patch_valid"]
         return valid.shape[0], int(valid.sum())
     result = _drain(iterator, count)
-    return result, time.perf_counter() - wall, _cpu() - cpu
+    return [(result, time.perf_counter() - wall, _cpu() - cpu)]
 
 
 def child_resume(spec, skip):
@@ -226,10 +226,9 @@ def main(spec):
     kind = spec["kind"]
     if kind.startswith("resume"):
         return print(json.dumps(child_resume(spec, skip=kind == "resume-skip")))
-    runs = globals()[f"child_{kind}"](spec)
-    (samples, tokens), wall, cpu = runs[0] if isinstance(runs, list) else runs
-    later = [{"samples": s, "tokens": t, "wall": w, "cpu": c} for (s, t), w, c in runs[1:]] if isinstance(
-        runs, list) else []
+    runs = globals()[f"child_{kind}"](spec)  # one (result, wall, cpu) per epoch
+    (samples, tokens), wall, cpu = runs[0]
+    later = [{"samples": s, "tokens": t, "wall": w, "cpu": c} for (s, t), w, c in runs[1:]]
     print(json.dumps({"samples": samples, "tokens": tokens, "wall": wall, "cpu": cpu, "next": later}))
 
 
