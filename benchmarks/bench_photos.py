@@ -10,6 +10,9 @@ fresh process (median of ``--repeats``, interleaved), CPU summed over the proces
   ours          naflex_accum's train loader (``--image-decode scaled``, the default), with no shuffle buffer
                 so that it reads each of the 2,000 once, in the floors' order (checked by sample key)
   ours full     the same with ``--image-decode full``: the pipeline before the scaled decode
+  ours + CPU normalise  ours, each batch's uint8 patches then normalised on the CPU in the same process
+                (the trainer normalises on the training device; this is what a CPU-only run's training process
+                adds; no target)
   upstream      upstream main's ``--use-naflex`` loader from the pinned snapshot (0 workers only)
 Targets (0 workers unless said): ours >= 1.3x the full floor's images/s at seq 64 and >= 1.1x at 256;
 at 576 no slower than ``ours full``; >= 4x upstream's images/s at 256; with 2 workers, ours' CPU per
@@ -39,7 +42,7 @@ import upstream_snapshot
 NUM = 2000
 BATCH = {64: 250, 256: 50, 576: 25}  # per seq len: batches that make exactly NUM
 CONTEXT = 77
-ZERO = ("floor full", "floor scaled", "ours", "ours full", "upstream")
+ZERO = ("floor full", "floor scaled", "ours", "ours full", "ours + CPU normalise", "upstream")
 MORE = ("floor full", "floor scaled", "ours")
 MEAN_TOL, SPREAD_TOL = 0.01, 0.01
 
@@ -63,6 +66,7 @@ def _spec(name, data, seq, workers):
     decode = "full" if name.endswith("full") else "scaled"
     return dict(kind=kind, data=data, workers=workers, num_samples=NUM, seq_lens=[seq], budget=seq * BATCH[seq],
                 divisor=1, context=CONTEXT, decode=decode, distinct=kind == "ours", shuffle_buffer=0,
+                normalize=name.endswith("normalise"),
                 epochs=2 if workers and kind != "upstream" else 1)
 
 
@@ -137,7 +141,9 @@ def verdicts(runs, workers_list):
         parts = [f"ours / floor full {paired(runs, (seq, 0, 'ours'), (seq, 0, 'floor full'), _rate):.2f}x",
                  f"floor scaled / floor full "
                  f"{paired(runs, (seq, 0, 'floor scaled'), (seq, 0, 'floor full'), _rate):.2f}x",
-                 f"ours / ours full {paired(runs, (seq, 0, 'ours'), (seq, 0, 'ours full'), _rate):.2f}x"]
+                 f"ours / ours full {paired(runs, (seq, 0, 'ours'), (seq, 0, 'ours full'), _rate):.2f}x",
+                 f"ours + CPU normalise / floor full "
+                 f"{paired(runs, (seq, 0, 'ours + CPU normalise'), (seq, 0, 'floor full'), _rate):.2f}x"]
         if (seq, 0, "upstream") in runs:
             parts.append(f"ours / upstream {paired(runs, (seq, 0, 'ours'), (seq, 0, 'upstream'), _rate):.2f}x")
         print(f"  seq {seq}, 0 workers, images/s: " + "; ".join(parts))

@@ -7,7 +7,9 @@ Kinds:
   floor     tar read + decode + resize, nothing else; ``decode`` "full" (torchvision, full size) or
             "scaled" (``naflex_accum.data.decode``: DCT-scaled JPEG decode, then the same resize)
   ours      naflex_accum's train loader (decode, resize, patchify, tokenize, collate, worker transfer),
-            with ``--image-decode`` = ``decode``
+            with ``--image-decode`` = ``decode``; its batches hold uint8 patches, which the trainer normalises on
+            the training device; with ``normalize`` this process normalises each batch on the CPU as well
+            (``naflex.normalize_patches``: what the training process of a CPU-only run adds)
   upstream  upstream main's ``--use-naflex`` webdataset loader from the pinned snapshot, built as its
             ``open_clip_train.main`` builds it (its src first on PYTHONPATH)
   resume-full / resume-skip   seconds to 90% of an epoch, producing or skipping what comes before
@@ -129,11 +131,15 @@ def child_ours(spec):
     loader = _our_loader(spec)
     _warm(spec.get("decode", "scaled"))
 
+    from naflex_accum.naflex import normalize_patches
+
     def epoch(index):
         keys = set()
 
         def count(item):
             keys.update(item[1]["keys"])
+            if spec.get("normalize"):
+                normalize_patches(item[0]["image"])
             return item[1]["samples"], item[1]["image_tokens"]
         loader.set_epoch(index)
         result = _drain(loader.iter_meta(), count)

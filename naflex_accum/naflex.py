@@ -7,8 +7,10 @@ after, so the model's masking makes padding exactly inert. Uses timm's NaFlex
 transforms for the resize and patch layout. With several patch sizes a batch's
 patches may stay unflattened, ``[B, L, P, P, C]`` (timm NaFlexVit's
 variable-patch-size input). The data pipeline's path (``resize_for_seq`` on
-decoded uint8 images, then ``collate_images``) keeps pixels uint8 until one
-normalise per batch; padding is zero after normalising there too.
+decoded uint8 images, ``patchify_into`` / ``patchify_images``) keeps pixels
+uint8 up to the training device, where ``normalize_patches`` makes the model's
+float batch (bit for bit what one CPU pass makes: ``collate_images``); padding
+is zero before and after.
 ``pil_to_patches`` is the same with Pillow's decode and resize (the quality
 reference the pipeline is tested against).
 """
@@ -77,62 +79,113 @@ def resize_for_seq(img: torch.Tensor, seq_len: int, patch_size: int = 16) -> tor
 
 
 @functools.lru_cache(maxsize=16)
-def _normaliser(mean, std, repeat: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(shift, scale), each ``repeat`` copies of the per-channel values: ``x * scale + shift`` normalises uint8 x."""
+def _normaliser(mean, std, repeat: int, device: str = "cpu") -> Tuple[torch.Tensor, torch.Tensor]:
+    """(shift, scale), each ``repeat`` copies of the per-channel values on ``device``: ``x * scale + shift``
+    normalises uint8 x."""
     std = torch.tensor(std, dtype=torch.float32)
-    return (-torch.tensor(mean, dtype=torch.float32) / std).repeat(repeat), (1.0 / (255.0 * std)).repeat(repeat)
+    shift, scale = (-torch.tensor(mean, dtype=torch.float32) / std).repeat(repeat), (1.0 / (255.0 * std)).repeat(repeat)
+    return shift.to(device), scale.to(device)
 
 
-def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int = 16, flatten: bool = True,
-                   mean=IMAGE_MEAN, std=IMAGE_STD, alloc: Optional[Callable[[int], torch.Tensor]] = None,
-                   into: Optional[Tuple[torch.Tensor, Sequence[int]]] = None) -> Dict[str, torch.Tensor]:
-    """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one normalised, zero-padded NaFlex batch.
+def patchify_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int = 16, flatten: bool = True,
+                    alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+    """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one zero-padded uint8 NaFlex batch.
 
-    One strided copy per image gathers its patches (row-major grid, channels-last
-    patches) into the float batch, converting as it goes, and one elementwise op
-    normalises them while they are still in the cache; the mask and the coordinates
-    are a few tensor ops for the whole batch. timm's
-    ``NaFlexCollator`` would copy float patches one sample at a time instead.
-    ``alloc(numel)``, if given, supplies the float32 memory for the patches (shared
-    memory, so that handing the batch from a loader worker to the main process copies
-    nothing; a recycled slot, see ``data.handover``). ``into=(patches, rows)`` writes
-    image i's patches into row ``rows[i]`` of ``patches``, a float32 ``[B, seq_len,
-    P*P*C]`` batch that several workers fill (``data.ring``), each row converted,
-    normalised and padded exactly as here; the result's ``"patches"`` is then None.
+    What the data pipeline hands over: ``normalize_patches`` turns it into the
+    model's float batch on the training device, as timm's ``NaFlexPrefetchLoader``
+    normalises there (a quarter of the bytes to write, share, pin and copy, and the
+    float pass off the loader's CPU). One strided copy per image gathers its patches
+    (row-major grid, channels-last patches: ``patchify_into``); the mask and the
+    coordinates are a few tensor ops for the whole batch. ``alloc(numel)``, if given,
+    supplies the uint8 memory for the patches (shared memory, so that handing the
+    batch from a loader worker to the main process copies nothing; a recycled slot,
+    see ``data.handover``).
     """
-    import numpy as np
-
     p, n = patch_size, len(images)
     channels = images[0].shape[0]
     shape = (n, seq_len, p * p * channels)
-    if into is None:
-        patches, targets = (torch.empty(shape) if alloc is None else alloc(math.prod(shape)).view(shape)), range(n)
-    else:
-        patches, targets = into
-    flat, counts, widths, row = patches.numpy(), [], [], p * channels
-    shift, scale = _normaliser(tuple(mean), tuple(std), p * p)
-    for i, img in enumerate(images):
-        pixels = img.numpy()  # numpy from here: its calls cost a fraction of torch's on these small arrays
-        _, h, w = pixels.shape
-        gh, gw = h // p, w // p
-        if gh * gw > seq_len or gh * p != h or gw * p != w:
-            raise ValueError(f"image {i} of {h}x{w} does not make at most {seq_len} whole {p}x{p} patches")
-        # numpy's strided cast-copy is several times faster than torch's for these short (P*C-byte) rows
-        grid = pixels.transpose(1, 2, 0).reshape(gh, p, gw, row).transpose(0, 2, 1, 3)
-        count, target = gh * gw, targets[i]
-        np.copyto(flat[target, :count].reshape(gh, gw, p, row), grid, casting="unsafe")
-        # normalised at once, while the rows just written are still in the cache (a pass over the whole
-        # batch afterwards reads it back from memory), and only the image's own rows
-        torch.addcmul(shift, patches[target, :count], scale, out=patches[target, :count])
-        flat[target, count:] = 0.0  # padding: a memset of the image's tail
-        counts.append(count)
-        widths.append(gw)
+    patches = torch.empty(shape, dtype=torch.uint8) if alloc is None else alloc(math.prod(shape)).view(shape)
+    flat = patches.numpy()
+    counts, widths = zip(*(patchify_into(flat[i], img, p, i) for i, img in enumerate(images)))
     coord, valid = patch_grid(counts, widths, seq_len)
-    if into is not None:
-        patches = None
-    elif not flatten:
+    if not flatten:
         patches = patches.view(n, seq_len, p, p, channels)
     return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
+
+
+def patchify_into(row, img: torch.Tensor, patch_size: int, index: int = 0) -> Tuple[int, int]:
+    """Image ``img`` (uint8 ``[C, h, w]``) as patches into ``row``, a numpy uint8 ``[seq_len, P*P*C]`` row of a
+    batch, zero-padded: ``(patch count, grid width)``. The data pipeline calls it right after each image's
+    resize, while the image is still in the cache (gathered later, per batch, it costs 3x more at seq 576)."""
+    import numpy as np
+
+    pixels = img.numpy()  # numpy from here: its calls cost a fraction of torch's on these small arrays
+    c, h, w = pixels.shape
+    p = patch_size
+    gh, gw = h // p, w // p
+    if gh * gw > row.shape[0] or gh * p != h or gw * p != w:
+        raise ValueError(f"image {index} of {h}x{w} does not make at most {row.shape[0]} whole {p}x{p} patches")
+    # numpy's strided copy is several times faster than torch's for these short (P*C-byte) rows
+    grid = pixels.transpose(1, 2, 0).reshape(gh, p, gw, p * c).transpose(0, 2, 1, 3)
+    count = gh * gw
+    np.copyto(row[:count].reshape(gh, gw, p, p * c), grid)
+    row[count:] = 0  # padding: a memset of the image's tail
+    return count, gw
+
+
+def normalize_patches(image: Dict[str, torch.Tensor], mean=IMAGE_MEAN, std=IMAGE_STD,
+                      dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
+    """A uint8 NaFlex batch (``patchify_images``) as the model's normalised float one, on the patches' device.
+
+    One conversion and one ``x * scale + shift`` in float32 (then ``dtype``, if given),
+    with the padding set to exactly zero: the values are bit for bit those the
+    pipeline's collate wrote before it handed over uint8. A batch whose patches are
+    already floats is returned as it is.
+    """
+    patches = image["patches"]
+    if patches.is_floating_point():
+        return image
+    n, length = patches.shape[:2]
+    width = math.prod(patches.shape[2:])
+    # per-channel values repeated across the whole row: a broadcast over a 3-wide last dim is 10x slower
+    shift, scale = _normaliser(tuple(mean), tuple(std), width // len(mean), str(patches.device))
+    valid = image["patch_valid"]
+    if patches.device.type == "cpu":
+        out = _normalize_rows(patches.reshape(n, length, width), valid, shift, scale).view(patches.shape)
+    else:  # a few kernels over the whole batch
+        out = torch.empty(patches.shape, dtype=torch.float32, device=patches.device).copy_(patches)
+        rows = out.view(n * length, width)
+        torch.addcmul(shift, rows, scale, out=rows)
+        out.masked_fill_(~valid.view(valid.shape + (1,) * (patches.dim() - 2)), 0.0)
+    if dtype is not None and dtype != out.dtype:
+        out = out.to(dtype)
+    return {**image, "patches": out}
+
+
+_host_memory = None  # the recycled float32 memory of CPU-normalised batches (``data.assemble.Pool``), made on first use
+
+
+def _normalize_rows(patches: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor):
+    """The CPU's way: each image's own rows converted and normalised while they are in the cache, its padding
+    (the rows' tail) a memset, into recycled memory (a fresh batch costs a page fault per 4 KB, more than
+    the normalise)."""
+    global _host_memory
+    if _host_memory is None:
+        from .data.assemble import Pool
+        _host_memory = Pool(keep=4, dtype=torch.float32)  # a trainer holds a window's batches at most
+    out = _host_memory.empty(tuple(patches.shape))
+    for i, count in enumerate(valid.sum(1).tolist()):
+        rows = out[i, :count]
+        rows.copy_(patches[i, :count])
+        torch.addcmul(shift, rows, scale, out=rows)
+        out[i, count:] = 0.0
+    return out
+
+
+def collate_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int = 16, flatten: bool = True,
+                   mean=IMAGE_MEAN, std=IMAGE_STD) -> Dict[str, torch.Tensor]:
+    """uint8 images -> the normalised float NaFlex batch: ``normalize_patches(patchify_images(...))``."""
+    return normalize_patches(patchify_images(images, seq_len, patch_size, flatten), mean, std)
 
 
 def patch_grid(counts: Sequence[int], widths: Sequence[int], seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:

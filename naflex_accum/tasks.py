@@ -15,6 +15,10 @@ import torch.nn as nn
 from .step import total_loss
 
 
+def is_naflex_image(value) -> bool:
+    return isinstance(value, dict) and "patches" in value and "patch_valid" in value
+
+
 def unwrap(module: nn.Module) -> nn.Module:
     """The model inside DDP and/or torch.compile wrappers."""
     module = getattr(module, "module", module)
@@ -29,6 +33,7 @@ class ContrastiveTask(nn.Module):
     """A model plus its contrastive loss; subclasses choose the loss."""
 
     data_keys = ("image", "text")
+    image_stats: Optional[Tuple] = None  # (mean, std) uint8 NaFlex patches are normalised with; None: open_clip's
 
     def __init__(self, model: nn.Module, loss: nn.Module):
         super().__init__()
@@ -57,7 +62,12 @@ class ContrastiveTask(nn.Module):
             model.logit_scale.clamp_(0, max_val)
 
     def prepare_batch(self, batch: Dict, device, input_dtype: Optional[torch.dtype] = None) -> Dict:
-        """Move tensors to ``device``; floats take ``input_dtype``, integers and bools keep theirs."""
+        """Move tensors to ``device``; floats take ``input_dtype``, integers and bools keep theirs.
+
+        The data pipeline's uint8 NaFlex patches are normalised there, after the move
+        (``naflex.normalize_patches``): on a GPU run the float pass costs the loader's
+        CPUs nothing, and a quarter of the bytes cross to the device.
+        """
         out = {}
         for key, value in batch.items():
             if isinstance(value, dict):
@@ -67,6 +77,9 @@ class ContrastiveTask(nn.Module):
                 out[key] = value.to(device=device, dtype=dtype, non_blocking=True)
             else:
                 out[key] = value
+        if is_naflex_image(out) and out["patches"].dtype == torch.uint8:
+            from .naflex import normalize_patches
+            out = normalize_patches(out, *(self.image_stats or ()), dtype=input_dtype)
         return out
 
 

@@ -107,3 +107,23 @@ def test_cuda_fp16_grad_scaler_equivalence(accum):
     r = audit_case(ACCUM[accum], default_task_factory, "siglip", "linear", (3, 1, 2), autocast=fp16,
                    scaler=torch.amp.GradScaler("cuda", init_scale=2.0 ** 8), device="cuda")
     check(r, 1e-2, 1e-2)
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_cuda_normalises_uint8_patches_as_the_cpu(flatten):
+    # The loader hands uint8 patches over and the task normalises them on the device: the GPU's kernels
+    # (one pass, a mask for the padding) must give the CPU's per-image floats, padding exactly zero.
+    from naflex_accum.naflex import normalize_patches, patchify_images
+    from naflex_accum.tasks import ContrastiveTask
+
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, 16 * h, 16 * w), generator=g, dtype=torch.uint8) for h, w in
+              ((2, 3), (4, 4), (1, 5))]
+    cpu = patchify_images(images, 16, 16, flatten)
+    batch = {"image": cpu, "text": torch.zeros(3, 4, dtype=torch.long)}
+    gpu = ContrastiveTask(torch.nn.Identity(), None).prepare_batch(batch, "cuda")["image"]
+    expected = normalize_patches(cpu)["patches"]
+    assert gpu["patches"].is_cuda and gpu["patches"].dtype == torch.float32
+    assert torch.allclose(gpu["patches"].cpu(), expected, atol=1e-6, rtol=0)
+    padding = gpu["patches"][~gpu["patch_valid"]]
+    assert (padding == 0).all() and not torch.signbit(padding).any()

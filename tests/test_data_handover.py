@@ -49,7 +49,8 @@ def test_a_slot_is_reused_only_when_no_tensor_is_over_it(monkeypatch):
     assert (ref.slot, ref.generation) == (1, 1) and ref.memory is not None  # free but too small: it grew
     ref, f = send(torch.full((2, 3), 6.0))
     assert not isinstance(ref, handover.SlotRef)  # every slot held: fresh shared memory, as before
-    assert [float(t.mean()) for t in (c, d, e, f)] == [3.0, 4.0, 5.0, 6.0]
+    assert all(t.dtype == torch.uint8 for t in (c, d, e, f))  # patch memory: the loader hands over uint8
+    assert [float(t.float().mean()) for t in (c, d, e, f)] == [3.0, 4.0, 5.0, 6.0]
     assert list(flags[0].tolist()) == [1, 1, 1]
     del c, d, e
     assert list(flags[0].tolist()) == [0, 0, 0]

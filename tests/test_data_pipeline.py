@@ -21,7 +21,7 @@ def check_batch(batch, spec, budget=BUDGET):
     assert set(image) == {"patches", "patch_coord", "patch_valid"}
     b, L = spec.batch_size, spec.seq_len
     p = spec.patch_size
-    assert image["patches"].dtype == torch.float32 and image["patches"].shape in ((b, L, p * p * 3), (b, L, p, p, 3))
+    assert image["patches"].dtype == torch.uint8 and image["patches"].shape in ((b, L, p * p * 3), (b, L, p, p, 3))
     assert image["patch_coord"].dtype == torch.int64 and image["patch_coord"].shape == (b, L, 2)
     assert image["patch_valid"].dtype == torch.bool and image["patch_valid"].shape == (b, L)
     assert batch["text"].dtype == torch.int64 and batch["text"].shape[0] == b
@@ -217,3 +217,30 @@ def test_shuffle_buffer_holds_no_repeats_of_a_small_data_set():
     assert keys == again and len(set(keys)) >= 5  # seeded
     big = shuffled((RawSample(f"k{i}", "a.tar", None, "c") for i in range(50)), 20, random.Random(1))
     assert sorted(int(s.key[1:]) for s in big) == list(range(50))  # a finite stream: each sample once
+
+
+@pytest.mark.parametrize("workers,patch_sizes", [(0, (16,)), (2, (16,)), (0, (8, 16))])
+def test_the_task_normalises_the_loaders_uint8_patches(shards, workers, patch_sizes):
+    # The loader hands over uint8 patches; the task's prepare_batch (on the training device) must make exactly the
+    # normalised float batch, padding exactly zero (not -0.0), in any dtype asked.
+    from naflex_accum.naflex import IMAGE_MEAN, IMAGE_STD
+    from naflex_accum.tasks import ContrastiveTask
+
+    seq_lens = (16, 36) if len(patch_sizes) == 1 else (16, 64)
+    loader = make_train_loader(config(shards, workers=workers, num_samples=60, seq_lens=seq_lens,
+                                      patch_sizes=patch_sizes), CharTokenizer())
+    task = ContrastiveTask(torch.nn.Identity(), None)
+    mean, std = torch.tensor(IMAGE_MEAN), torch.tensor(IMAGE_STD)
+    for batch, meta in loader.iter_meta():
+        raw = batch["image"]["patches"]
+        assert raw.dtype == torch.uint8
+        image = task.prepare_batch(batch, "cpu")["image"]
+        valid = image["patch_valid"]
+        patches = image["patches"]
+        assert patches.dtype == torch.float32 and patches.shape == raw.shape
+        assert (patches[~valid] == 0).all() and not torch.signbit(patches[~valid]).any()
+        pixels = raw.reshape(*raw.shape[:2], -1, 3).float() / 255
+        expected = ((pixels - mean) / std).view(raw.shape) * valid.view(valid.shape + (1,) * (raw.dim() - 2))
+        assert torch.allclose(patches, expected, atol=1e-6, rtol=0)
+        half = task.prepare_batch(batch, "cpu", torch.bfloat16)["image"]["patches"]
+        assert half.dtype == torch.bfloat16 and torch.equal(half, patches.to(torch.bfloat16))

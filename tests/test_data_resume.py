@@ -67,7 +67,7 @@ def test_skipped_batches_are_not_decoded_tokenized_or_collated(shards, monkeypat
             calls[name] += 1
             return fn(*args, **kwargs)
         monkeypatch.setattr(pipeline, name, wrapper)
-    for name in ("decode_for_seq", "collate_images"):
+    for name in ("decode_for_seq", "patchify_into"):
         counted(name, getattr(pipeline, name))
 
     class CountingTokenizer(CharTokenizer):
@@ -79,7 +79,7 @@ def test_skipped_batches_are_not_decoded_tokenized_or_collated(shards, monkeypat
     start = loader.num_batches - 2
     batches = epoch(loader, 0, start)
     decoded = sum(b["text"].shape[0] for b in batches)
-    assert len(batches) == 2 and calls == {"decode_for_seq": decoded, "collate_images": 2, "tokenize": 2}
+    assert len(batches) == 2 and calls == {"decode_for_seq": decoded, "patchify_into": decoded, "tokenize": 2}
 
 
 def test_persistent_pinned_workers_follow_set_epoch(shards):

@@ -32,11 +32,12 @@ class _Lease:
 
 
 class Pool:
-    """Recycled float32 memory for assembled patches: at most ``keep`` free buffers are kept."""
+    """Recycled memory for assembled patches (uint8, as the loader hands them over): at most ``keep`` free buffers
+    are kept."""
 
-    def __init__(self, keep: int = 8):
+    def __init__(self, keep: int = 8, dtype: torch.dtype = torch.uint8):
         self.free: List[np.ndarray] = []
-        self.keep = keep
+        self.keep, self.dtype = keep, dtype
 
     def empty(self, shape: Tuple[int, ...]) -> torch.Tensor:
         numel = math.prod(shape)
@@ -44,14 +45,14 @@ class Pool:
         if fits:
             buffer = self.free.pop(min(fits, key=lambda i: self.free[i].size))
         else:
-            buffer = np.empty(numel, np.float32)
+            buffer = torch.empty(numel, dtype=self.dtype).numpy()
         del self.free[:-self.keep or None]  # the oldest beyond ``keep`` go back to the allocator
         return torch.from_numpy(np.asarray(_Lease(buffer[:numel], buffer, self.free))).view(shape)
 
 
 def _alike(value: torch.Tensor, rows: int, pin: bool, pool: Optional[Pool]) -> torch.Tensor:
     shape = (rows,) + tuple(value.shape[1:])
-    if pool is not None and not pin and value.dtype == torch.float32:
+    if pool is not None and not pin and value.dtype == pool.dtype:  # the patches: nothing else is uint8
         return pool.empty(shape)
     return torch.empty(shape, dtype=value.dtype, pin_memory=pin)
 

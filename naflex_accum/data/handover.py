@@ -39,13 +39,14 @@ def new_flags(workers: int) -> torch.Tensor:
 
 
 def fresh_shared(numel: int) -> torch.Tensor:
-    """A float32 tensor of ``numel`` elements in new shared memory, as torch's ``default_collate`` makes in a worker."""
-    storage = torch.empty(0)._typed_storage()._new_shared(numel)
-    return torch.empty(0).new(storage)
+    """A uint8 tensor (patch memory) of ``numel`` elements in new shared memory, as torch's ``default_collate``
+    makes in a worker."""
+    empty = torch.empty(0, dtype=torch.uint8)
+    return empty.new(empty._typed_storage()._new_shared(numel))
 
 
 class SlotRef:
-    """A batch's patches in slot ``slot`` of worker ``worker``: the first ``prod(shape)`` floats of its memory.
+    """A batch's patches in slot ``slot`` of worker ``worker``: the first ``prod(shape)`` bytes of its memory.
 
     ``memory`` (the slot's whole memory) travels with the first batch of each generation of the slot only.
     Not a tuple, so that the DataLoader's pin-memory thread passes it through as it is (see ``pin_memory``).

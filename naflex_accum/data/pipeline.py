@@ -20,13 +20,14 @@ tokens, corrupt samples and their messages) back to the main process. A
 main process can raise it as one clean line. How a worker's parts reach the
 main process (recycled shared memory) is ``handover``'s.
 """
+import math
 import random
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import UsageError
-from ..naflex import collate_images
+from ..naflex import patch_grid, patchify_images, patchify_into
 from .decode import decode_for_seq
 from .handover import WorkerSlots, fresh_shared, new_flags, pack
 from .images import inspect
@@ -79,11 +80,11 @@ def skip_samples(samples: Iterator[RawSample], count: int, report: Corruption, f
 
 
 def make_batch(images: List[torch.Tensor], captions: List[str], seq_len: int, patch_size: int, flatten: bool,
-               tokenize: Callable, alloc: Optional[Callable[[int], torch.Tensor]] = None, into=None) -> Dict:
-    """The model's batch; ``alloc`` supplies the patches' memory (shared memory, ``handover``), else a new tensor;
-    ``into=(patches, rows)`` writes them into those rows of a batch several workers fill (``ring``) instead."""
-    return {"image": collate_images(images, seq_len, patch_size, flatten, alloc=alloc, into=into),
-            "text": tokenize(captions)}
+               tokenize: Callable, alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict:
+    """A held-out batch as the loader hands it over: uint8 patches (``naflex.normalize_patches`` makes the
+    model's floats, on the training device: the task's ``prepare_batch``); ``alloc`` supplies the patches'
+    memory (shared memory, ``handover``), else a new tensor. Training parts are built by ``_part``."""
+    return {"image": patchify_images(images, seq_len, patch_size, flatten, alloc=alloc), "text": tokenize(captions)}
 
 
 def batch_meta(index: int, batch: Dict, report: Corruption) -> Dict:
@@ -184,17 +185,18 @@ class TrainStream(torch.utils.data.IterableDataset):
             for row, position in enumerate(batch_positions(segment, self.rank, firsts[index], spec.batch_size)):
                 if position % segment.slots in rows:
                     rows[position % segment.slots].append(row)
-            part = _part(streams, rows, spec, report, self.decode)
-            if part is None:
+            order = sorted(row for slot_rows in rows.values() for row in slot_rows)
+            if not order:
                 corrupt, messages = report.drain()
                 yield None, {"index": index, "rows": [], "corrupt": corrupt, "messages": messages, "worker": worker}
                 continue
-            order, images, captions, keys = part
             into, buffer = self._ring_rows(generation, index, spec, order)
-            batch = make_batch(images, captions, spec.seq_len, spec.patch_size, flatten, self.tokenize,
-                               None if into else alloc, into)
-            p = spec.patch_size
-            grid = [((img.shape[1] // p) * (img.shape[2] // p), img.shape[2] // p) for img in images]
+            batch, captions, keys, grid = _part(streams, rows, order, spec, report, self.decode, into,
+                                                None if into else alloc)
+            if not flatten and batch["patches"] is not None:
+                p = spec.patch_size
+                batch["patches"] = batch["patches"].view(len(order), spec.seq_len, p, p, 3)
+            batch = {"image": batch, "text": self.tokenize(captions)}
             yield batch, dict(batch_meta(index, batch, report), rows=order, keys=keys, worker=worker, ring=buffer,
                               grid=grid, seq_len=spec.seq_len)
 
@@ -208,18 +210,44 @@ class TrainStream(torch.utils.data.IterableDataset):
         return (memory, rows), buffer
 
 
-def _part(streams: Dict, rows: Dict[int, List[int]], spec: BatchSpec, report: Corruption, decode: str):
-    """``(rows, images, captions, keys)`` of one worker's part of a batch, rows ascending; None when it has none."""
-    taken = []
+def _part(streams: Dict, rows: Dict[int, List[int]], order: List[int], spec: BatchSpec, report: Corruption,
+          decode: str, into=None, alloc: Optional[Callable[[int], torch.Tensor]] = None):
+    """One worker's part of a batch, its rows ``order`` (ascending): ``(image, captions, keys, grid)``, each in
+    row order. Each image goes into its row the moment it is decoded (``naflex.patchify_into``), while it is
+    still in the cache: into the ring buffer ``into=(patches, rows)`` (the image dict's patches are then
+    None), else into ``alloc``'s memory or a new tensor; a sample that fails is skipped and the row takes the
+    slot's next one, as ``decode_samples`` does."""
+    seq_len, p = spec.seq_len, spec.patch_size
+    shape = (len(order), seq_len, p * p * 3)
+    if into is None:
+        patches = torch.empty(shape, dtype=torch.uint8) if alloc is None else alloc(math.prod(shape)).view(shape)
+        target = {row: i for i, row in enumerate(order)}
+    else:
+        patches, target = into[0], {row: row for row in order}
+    flat, taken = patches.numpy(), {}
     for slot, slot_rows in rows.items():
         if slot_rows:
-            images, captions, keys = decode_samples(streams[slot], len(slot_rows), spec.seq_len, spec.patch_size,
-                                                    report, "--train-data", decode)
-            taken.extend(zip(slot_rows, images, captions, keys))
-    if not taken:
-        return None
-    taken.sort(key=lambda item: item[0])
-    return tuple([item[i] for item in taken] for i in range(4))
+            use = _row_writer([flat[target[row]] for row in slot_rows], seq_len, p, decode)
+            taken.update(zip(slot_rows, _take(streams[slot], len(slot_rows), use, report, "--train-data")))
+    if len(taken) != len(order):  # only a stream that ended could: train streams do not end
+        raise RuntimeError(f"a loader worker filled {len(taken)} of its {len(order)} rows of a batch")
+    grid, captions, keys = zip(*(taken[row] for row in order))
+    coord, valid = patch_grid(*zip(*grid), seq_len)
+    return ({"patches": None if into is not None else patches, "patch_coord": coord, "patch_valid": valid},
+            list(captions), list(keys), list(grid))
+
+
+def _row_writer(rows: List, seq_len: int, patch_size: int, decode: str) -> Callable:
+    """``use`` for ``_take``: a sample decoded straight into the next of ``rows`` (numpy uint8 batch rows);
+    ``(grid, caption, key)``, grid being the image's ``(patch count, grid width)``."""
+    done = [0]
+
+    def use(raw):
+        img = decode_for_seq(raw.data, seq_len, patch_size, decode)
+        grid = patchify_into(rows[done[0]], img, patch_size)
+        done[0] += 1  # only now: a sample that fails leaves its row to the next one
+        return grid, raw.caption, f"{raw.url}#{raw.key}"
+    return use
 
 
 class ValStream(torch.utils.data.IterableDataset):

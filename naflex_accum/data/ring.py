@@ -30,7 +30,7 @@ def _word(generation: int, index: int, buffer: int) -> int:
 
 
 class Ring:
-    """``buffers`` shared float32 buffers of ``capacity`` floats; batches ``lookahead`` ahead get one assigned."""
+    """``buffers`` shared uint8 buffers of ``capacity`` bytes; batches ``lookahead`` ahead get one assigned."""
 
     def __init__(self, buffers: int, capacity: int, lookahead: int):
         if not 0 < buffers < 256:

@@ -216,7 +216,8 @@ class LabelledBatches(torch.utils.data.IterableDataset):
     """``(NaFlex image batch, labels)`` of a source, built in the loader's workers; last yield is the problems.
 
     Images become patches exactly as the training and held-out batches do (``data.decode.decode_for_seq``,
-    then ``naflex.collate_images``), so zero-shot accuracy is measured on the pixels training sees.
+    then ``naflex.patchify_images``: uint8, normalised on the device by ``naflex.normalize_patches``), so
+    zero-shot accuracy is measured on the pixels training sees.
     """
 
     def __init__(self, source, seq_len: int, patch_size: int, batch_size: int, decode: str = "scaled"):
@@ -226,7 +227,7 @@ class LabelledBatches(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         from ..data.decode import decode_for_seq
-        from ..naflex import collate_images
+        from ..naflex import patchify_images
 
         info = torch.utils.data.get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
@@ -239,10 +240,10 @@ class LabelledBatches(torch.utils.data.IterableDataset):
                 continue
             labels.append(label)
             if len(items) == self.batch_size:
-                yield collate_images(items, self.seq_len, self.patch_size), torch.tensor(labels)
+                yield patchify_images(items, self.seq_len, self.patch_size), torch.tensor(labels)
                 items, labels = [], []
         if items:
-            yield collate_images(items, self.seq_len, self.patch_size), torch.tensor(labels)
+            yield patchify_images(items, self.seq_len, self.patch_size), torch.tensor(labels)
         yield None, problems
 
 
@@ -317,6 +318,8 @@ class ZeroShot:
     def evaluate_set(self, model, zs: ZeroShotSet, autocast) -> Tuple[float, float]:
         from open_clip import build_zero_shot_classifier
 
+        from ..naflex import normalize_patches
+
         with autocast():
             classifier = build_zero_shot_classifier(model, self.tokenizer, zs.classnames, zs.templates,
                                                     num_classes_per_batch=10, device=self.device)
@@ -327,7 +330,7 @@ class ZeroShot:
                 skipped.count += labels.count
                 skipped.first += labels.first[:SHOWN_PROBLEMS - len(skipped.first)]
                 continue
-            images = {k: v.to(self.device, non_blocking=True) for k, v in images.items()}
+            images = normalize_patches({k: v.to(self.device, non_blocking=True) for k, v in images.items()})
             with autocast():
                 features = model.encode_image(images, normalize=True)
             logits = 100.0 * features.float() @ classifier.float()

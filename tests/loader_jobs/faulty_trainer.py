@@ -17,14 +17,14 @@ if mode == "fresh":
     handover.MAX_SLOTS = 0
 for opt in opts:
     if opt.startswith("raise-at="):
-        at, build, calls = int(opt.split("=")[1]), pipeline.make_batch, [0]
+        at, build, calls = int(opt.split("=")[1]), pipeline._part, [0]
 
-        def make_batch(*args, **kwargs):
+        def part(*args, **kwargs):  # what builds each of a worker's batch parts
             calls[0] += 1
             if calls[0] == at:
                 raise ValueError(f"injected failure while building batch {at} of this worker")
             return build(*args, **kwargs)
-        pipeline.make_batch = make_batch
+        pipeline._part = part
 
 from naflex_accum import cli  # noqa: E402
 
