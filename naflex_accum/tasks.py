@@ -13,10 +13,7 @@ import torch
 import torch.nn as nn
 
 from .step import total_loss
-
-
-def is_naflex_image(value) -> bool:
-    return isinstance(value, dict) and "patches" in value and "patch_valid" in value
+from .window import is_naflex_batch
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -77,9 +74,9 @@ class ContrastiveTask(nn.Module):
                 out[key] = value.to(device=device, dtype=dtype, non_blocking=True)
             else:
                 out[key] = value
-        if is_naflex_image(out) and out["patches"].dtype == torch.uint8:
+        if is_naflex_batch(out) and out["image"]["patches"].dtype == torch.uint8:
             from .naflex import normalize_patches
-            out = normalize_patches(out, *(self.image_stats or ()), dtype=input_dtype)
+            out["image"] = normalize_patches(out["image"], *(self.image_stats or ()), dtype=input_dtype)
         return out
 
 
