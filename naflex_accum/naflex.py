@@ -219,17 +219,18 @@ def pil_to_patches(img, seq_len: int, patch_size: int = 16, flatten: bool = True
     return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
 
 
-def _collate(items: Sequence[Dict[str, torch.Tensor]], seq_len: int, write) -> Dict[str, torch.Tensor]:
-    """Stack patch dicts into zero-padded ``seq_len`` tensors; ``write(src, dst)`` fills one image's rows."""
+def _collate(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
+             dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """Stack patch dicts into zero-padded ``seq_len`` tensors, the patches as ``dtype``."""
     n, shape = len(items), tuple(items[0]["patches"].shape[1:])
-    patches = torch.zeros((n, seq_len) + shape)
+    patches = torch.zeros((n, seq_len) + shape, dtype=dtype)
     coord = torch.zeros(n, seq_len, 2, dtype=torch.int64)
     valid = torch.zeros(n, seq_len, dtype=torch.bool)
     for i, item in enumerate(items):
         m = item["patches"].shape[0]
         if m > seq_len:
             raise ValueError(f"image {i} has {m} patches, more than the batch's sequence length {seq_len}.")
-        write(item["patches"], patches[i, :m])
+        patches[i, :m] = item["patches"]
         coord[i, :m] = item["patch_coord"]
         valid[i, :m] = item["patch_valid"]
     return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
@@ -239,22 +240,15 @@ def collate_uint8_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int
                           mean=IMAGE_MEAN, std=IMAGE_STD) -> Dict[str, torch.Tensor]:
     """Stack uint8 patch dicts (``pil_to_patches``), normalised and zero-padded to ``seq_len``.
 
-    Patches are channels-last (``[.., P*P*C]`` or ``[.., P, P, C]``). Each image is
-    converted and normalised in one fused pass straight into the batch tensor
-    (``addcmul`` of the uint8 patches).
+    Patches are channels-last (``[.., P*P*C]`` or ``[.., P, P, C]``), normalised by
+    ``normalize_patches`` as the pipeline's batches are.
     """
-    channels = len(mean)
-    neg_shift, scale = _normaliser(tuple(mean), tuple(std), 1)
-
-    def normalise(src, dst):
-        m = src.shape[0]
-        torch.addcmul(neg_shift, src.reshape(m, -1, channels), scale, out=dst.view(m, -1, channels))
-    return _collate(items, seq_len, normalise)
+    return normalize_patches(_collate(items, seq_len, torch.uint8), mean, std)
 
 
 def collate_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int) -> Dict[str, torch.Tensor]:
     """Stack per-image patch dicts, zero-padding each to ``seq_len`` (flat or unflattened patches)."""
-    return _collate(items, seq_len, lambda src, dst: dst.copy_(src))
+    return _collate(items, seq_len)
 
 
 def pad_batch(batch: Dict, seq_len: int) -> Dict:

@@ -130,3 +130,15 @@ def test_a_bad_data_timeout_is_one_line(value, capsys):
     assert cli.main(["train", "--train-data", "x.tar", "--data-timeout", value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--data-timeout" in err[0], err
+
+
+def test_a_worker_death_reported_mid_log_is_raised_at_the_next_batch():
+    """Red before: the report raised inside logging, which printed a traceback and dropped it."""
+    job = Path(__file__).resolve().parent / "loader_jobs" / "sigchld_mid_log.py"
+    done = subprocess.run([sys.executable, str(job)], env=SUBPROCESS_ENV, capture_output=True, text=True,
+                          timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "Traceback" not in out and "Logging error" not in out, out
+    assert "record: formatted" in out, out
+    assert "next batch: raised DataLoader worker (pid 12345) is killed by signal" in out, out
+    assert "in a batch wait: raised DataLoader worker (pid 12345)" in out, out

@@ -114,9 +114,10 @@ def _iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) 
     watch = register_workers(source, timeout)  # a failure names its worker; the run's end stops them all
     pin = pin_memory and torch.cuda.is_available()
     while True:
+        raise_pending()  # a worker that died while the batch before was used fails the run here
         with watch.waiting():
             item = next(source, None)
-        raise_pending()  # a worker that died meanwhile fails the run here, not inside whatever ran then
+        raise_pending()
         if item is None:
             return
         batch, meta = item

@@ -2,10 +2,12 @@
 
 Invariant: every multi-process DataLoader iterator this process starts is
 registered here. torch's SIGCHLD handler raises a dead worker's error at
-once, wherever the main thread is (so a trainer blocked waiting for a batch
-fails at once); inside ``held()`` (a checkpoint write, whose half-written file
-would then fail with an error of its own) the error waits for the block's end,
-or for the loader's next batch. While the main thread waits for a batch, a
+once while the main thread waits for a batch (so a blocked trainer fails at
+once); anywhere else the error waits for the loader's next batch, or for the
+end of a ``held()`` block (a checkpoint write), because an exception raised
+at an arbitrary point can be swallowed there (``logging`` prints and drops an
+error raised inside a record's formatting) or leave a half-written file that
+fails with an error of its own. While the main thread waits for a batch, a
 watchdog thread kills the workers once the wait passes ``timeout`` seconds (a
 frozen worker would otherwise hold it for ever, in torch's queue or in the
 descriptor hand-over of its shared memory). ``failure(exc)`` turns torch's
@@ -31,6 +33,7 @@ _LIVE = weakref.WeakSet()  # DataLoader iterators whose worker processes may be 
 _PROCESSES: list = []
 _PENDING = []  # worker failures torch's SIGCHLD handler reported inside held(), not raised yet
 _HELD = [0]  # how deep inside held() the main thread is
+_WAITING = [0]  # how many loaders the main thread is waiting on for a batch (only there may the handler raise)
 
 
 class Watch:
@@ -44,9 +47,11 @@ class Watch:
     @contextlib.contextmanager
     def waiting(self):
         self.since = time.monotonic()
+        _WAITING[0] += 1
         try:
             yield
         finally:
+            _WAITING[0] -= 1
             self.since = None
 
 
@@ -88,7 +93,7 @@ def register(iterator, timeout: float = 0.0) -> Watch:
 
 
 def _defer_sigchld() -> None:
-    """Wrap the SIGCHLD handler torch set for its workers so that inside ``held()`` it records, not raises."""
+    """Wrap the SIGCHLD handler torch set for its workers so that it raises only in a batch wait, else records."""
     current = signal.getsignal(signal.SIGCHLD)
     if getattr(current, "_naflex_accum_defers", False) or not callable(current):
         return
@@ -97,7 +102,7 @@ def _defer_sigchld() -> None:
         try:
             current(signum, frame)
         except RuntimeError as exc:  # torch's "DataLoader worker (pid N) is killed by signal: ..."
-            if not _HELD[0]:
+            if _WAITING[0] and not _HELD[0]:
                 raise
             _PENDING.append(exc)
     deferring._naflex_accum_defers = True
