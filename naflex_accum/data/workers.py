@@ -173,13 +173,23 @@ def _kill(processes) -> None:
 
 
 def stop(iterator) -> None:
-    """SIGKILL the iterator's workers that are still alive, then let it release its queues."""
+    """SIGKILL the iterator's workers that are still alive, then let it release its queues.
+
+    The SIGCHLD reports of these deaths are dropped: a stop on purpose is no failure for the next batch
+    (of this run's next epoch, or of the next run in this process) to raise."""
     _kill(iterator._workers)
     try:
         iterator._shutdown_workers()
     except Exception:  # its queues may be broken by a failure; the processes are gone either way
         pass
     _LIVE.discard(iterator)
+    stopped = {str(w.pid) for w in iterator._workers}
+    _PENDING[:] = [exc for exc in _PENDING if _reported_pid(exc) not in stopped]
+
+
+def _reported_pid(exc: BaseException) -> Optional[str]:
+    found = re.search(r"DataLoader worker \(pid (\d+)\)", str(exc))  # torch's SIGCHLD handler's wording
+    return found.group(1) if found else None
 
 
 def stop_all() -> None:
