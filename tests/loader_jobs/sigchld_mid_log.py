@@ -17,11 +17,15 @@ def torch_like_handler(signum, frame):
     raise RuntimeError("DataLoader worker (pid 12345) is killed by signal: Killed.")
 
 
+def signal_here():
+    os.kill(os.getpid(), signal.SIGCHLD)
+    for _ in range(10000):  # the handler runs at the interpreter's next check, still in the caller
+        pass
+
+
 class SignalsWhenFormatted:
     def __str__(self):
-        os.kill(os.getpid(), signal.SIGCHLD)
-        for _ in range(10000):  # the handler runs at the interpreter's next check, still in here
-            pass
+        signal_here()
         return "formatted"
 
 
@@ -37,9 +41,7 @@ def main():
         print(f"next batch: raised {exc}")
     try:
         with workers.Watch().waiting():
-            os.kill(os.getpid(), signal.SIGCHLD)
-            for _ in range(10000):
-                pass
+            signal_here()
         print("in a batch wait: nothing raised")
     except RuntimeError as exc:
         print(f"in a batch wait: raised {exc}")
