@@ -2,7 +2,8 @@
 
 The real thing in a subprocess (``loader_jobs/faulty_trainer.py`` around ``naflex-accum
 train``): a worker killed with SIGKILL (what the OOM killer sends), over both hand-over
-paths (recycled shared-memory slots, fresh shared memory) with 1 and 2 workers; a worker
+paths (recycled shared-memory slots, fresh shared memory) with 1 and 2 workers (and a worker
+killed while its batch is read, before it can be reaped: ``loader_jobs/lost_mid_read.py``); a worker
 that raises; a worker frozen with SIGSTOP under ``--data-timeout``. Each run must exit 74
 within seconds with one error line naming the worker, print no traceback, and leave its
 last checkpoint loadable. Every subprocess has a timeout.
@@ -142,3 +143,15 @@ def test_a_worker_death_reported_mid_log_is_raised_at_the_next_batch():
     assert "record: formatted" in out, out
     assert "next batch: raised DataLoader worker (pid 12345) is killed by signal" in out, out
     assert "in a batch wait: raised DataLoader worker (pid 12345)" in out, out
+
+
+def test_a_worker_killed_mid_read_is_named_not_reported_as_a_connection_reset():
+    """Red before: a read that failed before torch could see the worker dead ended the run with a traceback."""
+    job = Path(__file__).resolve().parent / "loader_jobs" / "lost_mid_read.py"
+    done = subprocess.run([sys.executable, str(job)], env=SUBPROCESS_ENV, capture_output=True, text=True,
+                          timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "Traceback" not in out, out
+    assert "killed: failure: loader worker 0 of 1 (pid " in out and "was killed by SIGKILL" in out, out
+    assert "alive: raised ConnectionResetError" in out and "alive: failure: None" in out, out
+    assert "pinned: failure: loader worker 0 of 1 (pid " in out, out

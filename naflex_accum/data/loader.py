@@ -28,7 +28,7 @@ from .pipeline import TrainStream, ValStream
 from .ring import Ring
 from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import dataset_size, expand_sources, expand_urls, shard_weights
-from .workers import raise_pending, register as register_workers, stop as stop_workers
+from .workers import lost, raise_pending, read_failed, register as register_workers, stop as stop_workers
 
 log = logging.getLogger("naflex_accum.data")
 RING_LOOKAHEAD = 4  # batches past the one delivered that get a ring buffer: more than workers run ahead
@@ -116,7 +116,13 @@ def _iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) 
     while True:
         raise_pending()  # a worker that died while the batch before was used fails the run here
         with watch.waiting():
-            item = next(source, None)
+            try:
+                item = next(source, None)
+            except Exception as exc:
+                dead = lost(source) if read_failed(exc) else None
+                if dead is None:
+                    raise
+                raise dead from exc
         raise_pending()
         if item is None:
             return

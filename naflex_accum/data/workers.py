@@ -12,7 +12,8 @@ watchdog thread kills the workers once the wait passes ``timeout`` seconds (a
 frozen worker would otherwise hold it for ever, in torch's queue or in the
 descriptor hand-over of its shared memory). ``failure(exc)`` turns torch's
 report of a worker that died (killed by a signal, the OOM killer's SIGKILL
-included, or exited), raised, or was stopped by the watchdog into one line, and
+included, or exited; ``lost`` names one whose death made a read of its batch fail
+first), raised, or was stopped by the watchdog into one line, and
 ``stop_all()`` leaves no worker alive: workers ignore SIGTERM (a scheduler
 signals the whole job, and only the main process may decide to stop), so
 multiprocessing's own exit (SIGTERM, then wait) would otherwise wait forever on
@@ -110,6 +111,34 @@ def _defer_sigchld() -> None:
         signal.signal(signal.SIGCHLD, deferring)
     except ValueError:  # not the main thread: torch's handler stays as it is
         pass
+
+
+LOST = (ConnectionError, EOFError)  # what a read from a worker raises when the worker dies in the middle of it
+PIN_THREAD_DIED = "Pin memory thread exited unexpectedly"  # torch's error once such a read ended its pin thread
+LOST_GRACE = 5.0  # seconds a worker has to be seen dead after such a read failed (its reaping takes milliseconds)
+
+
+def read_failed(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by the loader's next batch, is a read of a worker's batch that failed."""
+    return isinstance(exc, LOST) or (isinstance(exc, RuntimeError) and PIN_THREAD_DIED in str(exc))
+
+
+def lost(iterator) -> Optional[RuntimeError]:
+    """torch's error for a worker of ``iterator`` seen dead within ``LOST_GRACE`` s, after a read from it failed.
+
+    A killed worker's sockets close before the kernel lets it be reaped, so the main
+    thread's read of its batch (the queue, or the descriptor hand-over of its shared
+    memory) can fail with ``ConnectionResetError`` while torch's own check still sees
+    the worker alive and re-raises that read error, which names no worker."""
+    deadline = time.monotonic() + LOST_GRACE
+    while True:
+        dead = [w for w in getattr(iterator, "_workers", []) if w.exitcode not in (None, 0)]
+        if dead:
+            return RuntimeError(f"DataLoader worker (pid(s) {', '.join(str(w.pid) for w in dead)}) exited "
+                                f"unexpectedly")  # torch's wording, which ``failure`` names
+        if not getattr(iterator, "_workers", None) or time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def raise_pending() -> None:
