@@ -130,15 +130,17 @@ def lost(iterator) -> Optional[RuntimeError]:
     thread's read of its batch (the queue, or the descriptor hand-over of its shared
     memory) can fail with ``ConnectionResetError`` while torch's own check still sees
     the worker alive and re-raises that read error, which names no worker."""
+    processes = getattr(iterator, "_workers", None) or []  # none: an in-process loader
     deadline = time.monotonic() + LOST_GRACE
-    while True:
-        dead = [w for w in getattr(iterator, "_workers", []) if w.exitcode not in (None, 0)]
+    while processes:
+        dead = [w for w in processes if w.exitcode not in (None, 0)]
         if dead:
             return RuntimeError(f"DataLoader worker (pid(s) {', '.join(str(w.pid) for w in dead)}) exited "
                                 f"unexpectedly")  # torch's wording, which ``failure`` names
-        if not getattr(iterator, "_workers", None) or time.monotonic() >= deadline:
-            return None
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.05)
+    return None
 
 
 def raise_pending() -> None:
