@@ -32,7 +32,7 @@ from typing import Optional
 _LIVE = weakref.WeakSet()  # DataLoader iterators whose worker processes may be alive
 # Their processes, held strongly: an iterator collected without its workers stopped must not hide them.
 _PROCESSES: list = []
-_PENDING = []  # worker failures torch's SIGCHLD handler reported outside a batch wait (or inside held()), not raised yet
+_PENDING = []  # worker failures the SIGCHLD handler reported outside a batch wait or inside held(), not raised yet
 _HELD = [0]  # how deep inside held() the main thread is
 _WAITING = [0]  # how many loaders the main thread is waiting on for a batch (only there may the handler raise)
 
