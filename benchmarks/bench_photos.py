@@ -65,7 +65,7 @@ def _spec(name, data, seq, workers):
     kind = name.split()[0]
     decode = "full" if name.endswith("full") else "scaled"
     return dict(kind=kind, data=data, workers=workers, num_samples=NUM, seq_lens=[seq], budget=seq * BATCH[seq],
-                divisor=1, context=CONTEXT, decode=decode, distinct=kind == "ours", shuffle_buffer=0,
+                divisor=1, context=CONTEXT, decode=decode, distinct=kind == "ours", sample_shuffle_size=0,
                 normalize=name.endswith("normalise"),
                 epochs=2 if workers and kind != "upstream" else 1)
 

@@ -51,7 +51,7 @@ def _our_loader(spec, workers=None):
     cfg = DataConfig(train_data=spec["data"], seq_lens=tuple(spec["seq_lens"]), max_tokens_per_batch=spec["budget"],
                      batch_divisor=spec["divisor"], num_samples=spec["num_samples"],
                      workers=spec["workers"] if workers is None else workers, image_decode=spec.get("decode", "scaled"),
-                     shuffle_buffer=spec.get("shuffle_buffer", 1000))
+                     sample_shuffle_size=spec.get("sample_shuffle_size", 1000))
     return make_train_loader(cfg, SimpleTokenizer(context_length=spec["context"]))
 
 
@@ -116,7 +116,7 @@ def _epochs(spec, run_epoch):
 def child_floor(spec):
     loader = _our_loader(spec, workers=0)
     seq_lens = [s.seq_len for s in loader.schedule(0) for _ in range(s.batch_size)]
-    dataset = FloorStream(loader.urls, seq_lens, spec["decode"])
+    dataset = FloorStream(loader.index.urls, seq_lens, spec["decode"])
     workers = spec["workers"]
     _warm(spec["decode"])
 

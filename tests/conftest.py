@@ -7,6 +7,10 @@ import torch
 # Two-core CI machines: one thread is faster and steadier for tiny models.
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
+# Shard-size counts (data.index) go to a cache of the test session's own, inherited by its subprocesses.
+if "NAFLEX_ACCUM_CACHE" not in os.environ:
+    import tempfile
+    os.environ["NAFLEX_ACCUM_CACHE"] = tempfile.mkdtemp(prefix="naflex-accum-test-cache-")
 
 
 # Fixtures that put a stand-in upstream step on open_clip_train.train and restore it.

@@ -38,7 +38,9 @@ def demo(tmp_path, num=96, val=24, shard_size=16, seed=0):
 
 def config(train_data, **kw) -> DataConfig:
     base = dict(train_data=train_data, seq_lens=SEQ_LENS, max_tokens_per_batch=BUDGET, num_samples=120,
-                workers=0, shuffle_buffer=32)
+                workers=0, sample_shuffle_size=32)
+    if "sample_shuffle_size" not in DataConfig.__dataclass_fields__:  # the code before exact epochs (red runs)
+        base["shuffle_buffer"] = kw.pop("shuffle_buffer", base.pop("sample_shuffle_size"))
     base.update(kw)
     return DataConfig(**base)
 
@@ -62,3 +64,30 @@ def shard_paths(pattern):
     paths = list(braceexpand(pattern))
     assert all(os.path.isfile(p) for p in paths)
     return paths
+
+
+def reshard(source_pattern, sizes, out_dir, sizes_json=True):
+    """The samples of ``source_pattern``'s shards, in order, repacked into shards of ``sizes`` samples each (the
+    keys stay unique); with ``sizes_json`` an open_clip sizes.json beside them. Returns the braceexpand pattern."""
+    import json
+
+    samples, current, key = [], None, None
+    for path in shard_paths(source_pattern):
+        for name, data in tar_members(path):
+            stem = name.split(".", 1)[0]
+            if stem != key:
+                key, current = stem, []
+                samples.append(current)
+            current.append((name, data))
+    assert sum(sizes) <= len(samples), (sum(sizes), len(samples))
+    os.makedirs(out_dir, exist_ok=True)
+    listing, at = {}, 0
+    for k, size in enumerate(sizes):
+        name = f"part-{k:04d}.tar"
+        write_tar(os.path.join(out_dir, name), [m for sample in samples[at:at + size] for m in sample])
+        listing[name] = size
+        at += size
+    if sizes_json:
+        with open(os.path.join(out_dir, "sizes.json"), "w") as f:
+            json.dump(listing, f)
+    return os.path.join(out_dir, f"part-{{0000..{len(sizes) - 1:04d}}}.tar")

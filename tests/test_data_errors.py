@@ -51,19 +51,22 @@ def one_line(exc_info):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_corrupt_samples_and_shards_are_survived_and_reported(corrupt_dir, caplog, workers):
     spec = f"{corrupt_dir}/bad-{{000..001}}.tar::{corrupt_dir}/ok-*.tar"
-    loader = make_train_loader(config(spec, num_samples=200, workers=workers, shuffle_buffer=0), CharTokenizer())
-    specs = loader.schedule(0)
     with caplog.at_level(logging.WARNING, logger="naflex_accum.data"):
-        batches = list(loader)
+        loader = make_train_loader(config(spec, num_samples=None, workers=workers, sample_shuffle_size=0),
+                                   CharTokenizer())
+        specs = loader.schedule(0)
+        batches = list(loader.iter_meta())
     assert len(batches) == loader.num_batches
-    assert [b["text"].shape[0] for b in batches] == [s.batch_size for s in specs]  # batches still full
-    assert loader.stats["corrupt"] >= 4
+    assert [b["text"].shape[0] for b, _ in batches] == [s.batch_size for s in specs]  # batches still full
+    assert all(len(set(m["keys"])) == len(m["keys"]) for _, m in batches)  # a stand-in is never a repeat in a batch
+    assert loader.stats["corrupt"] >= 4 and 0 < loader.stats["standins"] <= loader.stats["corrupt"]
     text = caplog.text
     assert "bad-000.tar key 'train00000001'" in text and "undecodable image" in text
     assert "bad-000.tar key 'train00000002': missing caption" in text
     assert "bad-000.tar key 'train00000003'" in text
-    assert "bad-001.tar: unreadable shard" in text
-    assert "skipped" in text and "corrupt samples" in text
+    assert "bad-001.tar cannot be read past its sample" in text  # the count, at the start
+    assert "bad-001.tar: sample" in text and "cannot be read past sample" in text
+    assert "unusable" in text and "stood in by other samples" in text
 
 
 def test_no_usable_samples_is_a_usage_error(tmp_path, good):
@@ -72,20 +75,26 @@ def test_no_usable_samples_is_a_usage_error(tmp_path, good):
     write_tar(tmp_path / "garbage.tar", [(n, b"junk" if not n.endswith(".txt") else d) for n, d in members])
     write_tar(tmp_path / "empty.tar", [])
     for workers in (0, 2):
-        loader = make_train_loader(config(f"{tmp_path}/*.tar", workers=workers), CharTokenizer())
-        with pytest.raises(UsageError, match=r"--train-data: no usable samples in its 3 shard\(s\)") as info:
+        loader = make_train_loader(config(f"{tmp_path}/*.tar", workers=workers, num_samples=None), CharTokenizer())
+        with pytest.raises(UsageError, match=r"--train-data: no usable sample left .* to stand in") as info:
             list(loader)
         assert "needs an image" in one_line(info)
+    (tmp_path / "empty").mkdir()
+    only_empty = write_tar(tmp_path / "empty" / "empty.tar", [])
+    with pytest.raises(UsageError, match=r"--train-data: its 1 shard\(s\) hold no samples") as info:
+        make_train_loader(config(only_empty, num_samples=None), CharTokenizer())
+    one_line(info)
 
 
 def test_undecodable_pixels_everywhere_is_a_usage_error(tmp_path, good, monkeypatch):
-    import naflex_accum.data.pipeline as pipeline
-    monkeypatch.setattr(pipeline, "MAX_CONSECUTIVE_FAILURES", 5)
+    import naflex_accum.data.fill as fill
+    monkeypatch.setattr(fill, "MAX_CONSECUTIVE_FAILURES", 5)
     members = tar_members(shard_paths(good.train)[0])
     cut = [(n, d[:200] if n.endswith((".jpg", ".png")) else d) for n, d in members]
-    path = write_tar(tmp_path / "cut.tar", cut)
+    for k in range(3):  # more samples than one batch: stand-ins are looked for, and fail in a row too
+        write_tar(tmp_path / f"cut-{k}.tar", [(f"s{k}-{n}", d) for n, d in cut])
     with pytest.raises(UsageError, match=r"--train-data: 5 images in a row failed to decode") as info:
-        list(make_train_loader(config(path), CharTokenizer()))
+        list(make_train_loader(config(f"{tmp_path}/cut-*.tar", num_samples=None), CharTokenizer()))
     one_line(info)
 
 
@@ -110,20 +119,25 @@ def test_seq_len_above_budget(good):
     one_line(info)
 
 
-def test_epoch_size_from_sizes_json_or_a_flag(good, tmp_path):
+def test_epoch_size_from_sizes_json_or_a_count(good, tmp_path, caplog):
     loader = make_train_loader(config(good.train, num_samples=None), CharTokenizer())
-    assert loader.num_samples >= 64  # the demo's sizes.json
+    assert loader.index.total == 64 and loader.num_samples <= 64  # the demo's sizes.json
     paths = shard_paths(good.train)
     for p in paths[:2]:
         os.symlink(p, tmp_path / os.path.basename(p))
-    with pytest.raises(UsageError, match=r"one of --train-num-samples or --naflex-num-train-image-tokens is needed"):
-        make_train_loader(config(f"{tmp_path}/*.tar", num_samples=None), CharTokenizer())
-    (tmp_path / "sizes.json").write_text(json.dumps({os.path.basename(paths[0]): 16}))  # lists only one shard
-    with pytest.raises(UsageError, match=r"--train-num-samples"):
-        make_train_loader(config(f"{tmp_path}/*.tar", num_samples=None), CharTokenizer())
-    by_tokens = make_train_loader(config(f"{tmp_path}/*.tar", num_samples=None, num_image_tokens=5000),
+    with caplog.at_level(logging.INFO, logger="naflex_accum.data"):
+        counted = make_train_loader(config(f"{tmp_path}/*.tar", num_samples=None), CharTokenizer())
+    assert counted.index.counts == [16, 16] and "counted the samples of 2 shard(s)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="naflex_accum.data"):
+        again = make_train_loader(config(f"{tmp_path}/*.tar", num_samples=None), CharTokenizer())
+    assert again.index.counts == [16, 16] and "counted" not in caplog.text  # from the cache
+    (tmp_path / "sizes.json").write_text(json.dumps({os.path.basename(paths[0]): 12}))  # lists only one shard
+    mixed = make_train_loader(config(f"{tmp_path}/*.tar", num_samples=None), CharTokenizer())
+    assert mixed.index.counts == [12, 16]
+    by_tokens = make_train_loader(config(f"{tmp_path}/*.tar", num_samples=None, num_image_tokens=1000),
                                   CharTokenizer())
-    assert by_tokens.num_token_slots >= 5000
+    assert 0 < by_tokens.num_token_slots <= 1000
 
 
 @pytest.mark.parametrize("kw,match", [

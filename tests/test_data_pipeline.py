@@ -49,8 +49,8 @@ def test_batches_follow_schedule(shards):
         check_batch(batch, spec)
     assert loader.stats == {"epoch": 0, "batches": len(specs), "samples": sum(s.batch_size for s in specs),
                             "image_tokens": sum(int(b["image"]["patch_valid"].sum()) for b in batches),
-                            "corrupt": 0}
-    assert loader.num_samples == sum(s.batch_size for s in specs) >= 120
+                            "corrupt": 0, "standins": 0}
+    assert 120 - 2 * 16 < loader.num_samples == sum(s.batch_size for s in specs) <= 120  # within a step of it
     assert all(c.startswith("a ") and c.endswith(" background") for b in batches for c in decode_text(b["text"]))
 
 
@@ -153,19 +153,8 @@ def test_pipe_urls_and_joined_sources(shards, tmp_path):
     paths = shard_paths(shards)
     spec = f"pipe:cat {paths[0]}::{paths[1]}::pipe:cat {paths[2]}"
     loader = make_train_loader(config(spec, num_samples=40), CharTokenizer())
-    assert len(loader.urls) == 3
+    assert len(loader.index.urls) == 3
     assert len(list(loader)) == loader.num_batches and loader.stats["corrupt"] == 0
-
-
-def test_shards_split_across_slots(shards):
-    # Within a pass, the reader slots (rank x worker) read disjoint shards.
-    from naflex_accum.data.shards import shard_order
-    urls = shard_paths(shards)
-    first_pass = [[next(shard_order(urls, 0, 0, slot, 3))] for slot in range(3)]
-    assert len({u[0] for u in first_pass}) == 3
-    orders = [shard_order(urls, 0, 0, slot, 3) for slot in range(3)]
-    reads = [[next(o) for _ in range(2)] for o in orders]  # each slot has 2 of the 6 shards per pass
-    assert sorted(u for r in reads for u in r) == sorted(urls)
 
 
 def test_sample_reader_keeps_tar_order(shards):
@@ -193,30 +182,6 @@ def test_pil_path_matches_torch_path_layout(flatten):
     assert torch.equal(ours["patch_coord"], ref["patch_coord"]) and torch.equal(ours["patch_valid"], ref["patch_valid"])
     assert (ours["patches"] - ref["patches"]).abs().mean() < 0.05
     assert (ours["patches"][~ours["patch_valid"]] == 0).all()
-
-
-def test_shuffle_buffer_holds_no_repeats_of_a_small_data_set():
-    import itertools
-    import random
-
-    from naflex_accum.data.samples import RawSample, shuffled
-
-    pulled = []
-
-    def endless():  # 10 samples, resampled forever, as a reader with one tiny shard sees them
-        for _ in itertools.count():
-            for i in range(10):
-                pulled.append(i)
-                yield RawSample(f"k{i}", "a.tar", None, "c")
-
-    stream = shuffled(endless(), 1000, random.Random(0))
-    first = next(stream)
-    assert len(pulled) == 11  # the fill stopped at the first repeat: 10 distinct held, not 1000 copies
-    keys = [first.key] + [s.key for s in itertools.islice(stream, 9)]
-    again = [s.key for s in itertools.islice(shuffled(endless(), 1000, random.Random(0)), 10)]
-    assert keys == again and len(set(keys)) >= 5  # seeded
-    big = shuffled((RawSample(f"k{i}", "a.tar", None, "c") for i in range(50)), 20, random.Random(1))
-    assert sorted(int(s.key[1:]) for s in big) == list(range(50))  # a finite stream: each sample once
 
 
 @pytest.mark.parametrize("workers,patch_sizes", [(0, (16,)), (2, (16,)), (0, (8, 16))])

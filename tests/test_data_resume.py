@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from naflex_accum.data import make_train_loader
-from naflex_accum.data.shards import shard_order, shard_sampler
 from naflex_accum.errors import UsageError
 from test_data_common import CharTokenizer, config, decode_text, demo, shard_paths, tar_members, write_tar
 
@@ -98,22 +97,21 @@ def test_persistent_pinned_workers_follow_set_epoch(shards):
 # --- shard streams: open_clip's --dataset-resampled and --train-data-upsampling-factors ---------------------
 
 
-def test_without_resampling_each_pass_reads_every_shard_once(shards):
-    urls = shard_paths(shards)
-    passes = [[next(o) for _ in range(2)] for o in (shard_order(urls, 0, 3, slot, 3) for slot in range(3))]
-    assert sorted(u for p in passes for u in p) == sorted(urls)
+def test_resampled_rounds_draw_pieces_with_replacement_by_weight(shards):
+    from naflex_accum.data.index import shard_sizes
+    from naflex_accum.data.slots import DataIndex, EpochOrder
 
-
-def test_resampled_shards_are_drawn_with_replacement_by_weight(shards):
     urls = shard_paths(shards)
     weights = [3.0, 1.0, 0.0, 1.0, 1.0, 1.0]
-    draws = [next(d) for d in [shard_sampler(urls, weights, 0, 0, 1)] for _ in range(7000)]
-    counts = collections.Counter(draws)
-    assert urls[2] not in counts and abs(counts[urls[0]] / counts[urls[1]] - 3) < 0.4
-    again = shard_sampler(urls, weights, 0, 0, 1)
-    assert [next(again) for _ in range(200)] == draws[:200]                          # seeded by (seed, epoch, slot)
-    other = shard_sampler(urls, weights, 0, 0, 2)
-    assert [next(other) for _ in range(200)] != draws[:200]
+    index = DataIndex(urls, shard_sizes(urls), list(range(len(urls))), weights)
+    order = EpochOrder(index, 0, 0, 2, 8, 16, resampled=True)
+    draws = collections.Counter(p.shard for q in range(600) for p in order.order(1, q).pieces)
+    assert 2 not in draws and abs(draws[0] / draws[1] - 3) < 0.4
+    again = EpochOrder(index, 0, 0, 2, 8, 16, resampled=True)
+    assert again.order(1, 5).pieces == order.order(1, 5).pieces                   # seeded by (seed, epoch, slot)
+    assert order.order(0, 5).pieces != order.order(1, 5).pieces
+    parts = [{p.shard for p in part} for part in order.parts]
+    assert all(len(part) == len(urls) for part in parts)  # every source cut across the slots alike
 
 
 def test_resampled_loader_is_deterministic_and_honours_factors(shards, tmp_path):

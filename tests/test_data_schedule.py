@@ -52,18 +52,19 @@ def test_zero_weight_never_scheduled():
 
 @pytest.mark.parametrize("accum", [1, 2, 3, 4])
 @pytest.mark.parametrize("world", [1, 3])
-def test_num_batches_multiple_of_accum_and_minimal(accum, world):
+def test_num_batches_whole_steps_within_the_target(accum, world):
     p = plan(accum_freq=accum, world_size=world)
-    n = p.num_batches_for(num_samples=5000)
-    assert n % accum == 0
-    assert p.totals(n)[0] * world >= 5000
-    assert n == accum or p.totals(n - accum)[0] * world < 5000
+    n = p.num_batches_within(num_samples=5000)
+    assert n % accum == 0 and n > 0
+    assert p.totals(n)[0] * world <= 5000  # never past the target: an epoch of the data set repeats nothing
+    assert p.totals(n + accum)[0] * world > 5000  # what is left over is less than one step's worth
+    assert p.num_batches_within(num_samples=p.totals(accum)[0] * world - 1) == 0  # not even one step
 
 
 def test_num_batches_from_image_tokens():
     p = plan(seq_lens=(64, 256), max_tokens_per_batch=4096, accum_freq=2)
-    n = p.num_batches_for(num_image_tokens=1_000_000)
-    assert n % 2 == 0 and p.totals(n)[1] >= 1_000_000 and p.totals(n - 2)[1] < 1_000_000
+    n = p.num_batches_within(num_image_tokens=1_000_000)
+    assert n % 2 == 0 and p.totals(n)[1] <= 1_000_000 < p.totals(n + 2)[1]
 
 
 def test_patch_sizes_spread_over_batches():
@@ -114,6 +115,6 @@ def test_bad_values(kw, match):
 
 def test_bad_epoch_targets():
     with pytest.raises(UsageError, match=r"--train-num-samples must be a positive integer"):
-        plan().num_batches_for(num_samples=0)
+        plan().num_batches_within(num_samples=0)
     with pytest.raises(UsageError, match=r"--naflex-num-train-image-tokens must be a positive integer"):
-        plan().num_batches_for(num_image_tokens=-5)
+        plan().num_batches_within(num_image_tokens=-5)

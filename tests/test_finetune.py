@@ -227,12 +227,14 @@ def test_grad_checkpointing_uses_the_models_switch_and_keeps_gradients():
 def test_sampling_flags_reach_the_data_config(shards):
     from naflex_accum.train.main import build_data
 
-    two = f"{shards.train}::{shards.train}"
-    args = parse_args([*BASE, "--train-data", two, "--workers", "0", "--dataset-resampled",
-                       "--train-data-upsampling-factors", "1::2.5"])
+    first, second = shards.train.replace("{000000..000000}", "000000"), shards.val.replace("{000000..000000}", "000000")
+    two = f"{first}::{second}"
+    args = parse_args([*BASE, "--train-num-samples", "64", "--train-data", two, "--workers", "0",
+                       "--dataset-resampled", "--train-data-upsampling-factors", "1::2.5"])
     loader, _ = build_data(args, World(), build_model(), torch.device("cpu"))
     assert loader.cfg.dataset_resampled is True and list(loader.cfg.upsampling_factors) == [1.0, 2.5]
-    args = parse_args([*BASE, "--train-data", shards.train, "--workers", "0"])  # off by default, as open_clip
+    args = parse_args([*BASE, "--train-num-samples", "64", "--train-data", shards.train, "--workers", "0"])
+    # resampling is off by default, as in open_clip
     loader, _ = build_data(args, World(), build_model(), torch.device("cpu"))
     assert loader.cfg.dataset_resampled is False and loader.cfg.upsampling_factors is None
 

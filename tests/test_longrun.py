@@ -153,3 +153,21 @@ def test_mid_epoch_resume_counts_the_epochs_samples_from_that_epochs_schedule(se
 
     whole, resumed = epoch_1_lines("whole"), epoch_1_lines("resumed")
     assert resumed and all(whole[step] == n for step, n in resumed.items()), (whole, resumed)
+
+
+def test_a_resumed_epochs_averages_cover_the_whole_epoch(setup, tmp_path):
+    """``End epoch`` after a resume inside the epoch averages every step of it, as the uninterrupted run's."""
+    import re
+
+    shards, model, _ = setup
+    argv = ("--save-every-n-steps", "1", "--keep-last", "100", "--log-every-n-steps", "3")
+    train_in_process(run_argv(shards, model, tmp_path, "whole", *argv))
+    inside = next(p for p in sorted((tmp_path / "whole/checkpoints").glob("step_*.pt"))
+                  if torch.load(p, weights_only=True).get("step_in_epoch") == 2)
+    train_in_process(run_argv(shards, model, tmp_path, "resumed", *argv, "--resume", str(inside)))
+
+    def averages(name):
+        return re.findall(r"End epoch.*", (tmp_path / name / "out.log").read_text())
+
+    whole, resumed = averages("whole"), averages("resumed")
+    assert len(whole) == 2 and resumed == whole[-len(resumed):] and len(resumed) == 2, (whole, resumed)

@@ -156,3 +156,21 @@ def test_a_device_that_is_not_there_is_one_line_before_the_run_folder(setup, tmp
     exit_2_one_line(capsys, [*run_argv(shards, model, tmp_path / "logs", "run", workers=0), "--device", device],
                     *needles)
     assert not (tmp_path / "logs").exists()
+
+
+def test_mid_epoch_resume_with_another_shard_list_is_refused(setup, tmp_path, capsys):
+    import shutil
+
+    shards, model = setup
+    train_in_process(run_argv(shards, model, tmp_path, "a", "--save-every-n-steps", "1", "--keep-last", "4",
+                              epochs=1, workers=0))
+    step = str(tmp_path / "a/checkpoints/step_3.pt")
+    other = shutil.copy(shards.train.replace("{000000..000000}", "000000"), tmp_path / "renamed.tar")
+    argv = run_argv(shards, model, tmp_path, "b", "--resume", step)
+    argv[argv.index("--train-data") + 1] = str(other)
+    exit_2_one_line(capsys, argv, "saved inside epoch 0 with another --train-data (1 shard(s) gone",
+                    "resume from an epoch_K.pt")
+    assert not (tmp_path / "b").exists()
+    epoch = str(tmp_path / "a/checkpoints/epoch_1.pt")  # at an epoch's end nothing of the old list is owed
+    argv[argv.index("--resume") + 1] = epoch
+    assert cli_main(["train", *argv, "--epochs", "2"]) == 0

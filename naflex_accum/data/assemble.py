@@ -91,13 +91,15 @@ def _into(full: List[Tuple[Dict, Dict]], batch_size: int, pool: Optional[Pool], 
 def assemble(parts: List[Tuple[Optional[Dict], Dict]], batch_size: int, pin: bool = False,
              pool: Optional[Pool] = None, target: Optional[torch.Tensor] = None,
              buffer: Optional[int] = None) -> Tuple[Dict, Dict]:
-    """``(batch, meta)`` from one batch's ``(part, meta)`` pairs; ``meta`` sums the parts' counts and has
+    """``(batch, meta)`` from one batch's ``(part, meta)`` pairs; ``meta`` sums the parts' counts (samples, image
+    tokens, corrupt samples, stand-ins) and has
     ``keys``, each row's sample key (``url#key``). ``target``: the ring buffer ``buffer`` assigned to the
     batch, which parts with ``meta["ring"]`` have written their rows into."""
     full = [(part, meta) for part, meta in parts if part is not None]
     meta = {"index": parts[0][1]["index"], "samples": sum(m.get("samples", 0) for _, m in full),
             "image_tokens": sum(m.get("image_tokens", 0) for _, m in full),
             "corrupt": sum(m.get("corrupt", 0) for _, m in parts),
+            "standins": sum(m.get("standins", 0) for _, m in parts),
             "messages": [text for _, m in parts for text in m.get("messages", ())]}
     if meta["samples"] != batch_size:
         raise RuntimeError(f"batch {meta['index']}: its parts hold {meta['samples']} of {batch_size} rows")

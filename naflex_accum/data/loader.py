@@ -15,6 +15,7 @@ torch's error in the main process, which ``workers.failure`` names in one line.
 import gc
 import logging
 import signal
+from collections import Counter
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -27,7 +28,10 @@ from .order import Segment, check_slots, default_slots
 from .pipeline import TrainStream, ValStream
 from .ring import Ring
 from .schedule import BatchSpec, DataConfig, Schedule
-from .shards import dataset_size, expand_sources, expand_urls, shard_weights
+from .index import listed_total, shard_sizes
+from .samples import IMAGE_EXTS, Corruption, shard_samples
+from .shards import expand_sources, expand_urls, shard_weights
+from .slots import DataIndex
 from .workers import lost, raise_pending, read_failed, register as register_workers, stop as stop_workers
 
 log = logging.getLogger("naflex_accum.data")
@@ -40,13 +44,17 @@ def _passthrough(batch):
 
 
 class _Counter:
-    """Per-epoch counters and the rate-limited warnings for corrupt samples."""
+    """Per-epoch counters and the rate-limited warnings for corrupt samples.
+
+    Training counts stand-ins (``fill``): an unusable sample's row took another sample of its slot. Held-out
+    data has none: an unusable sample is skipped.
+    """
 
     def __init__(self, what: str, epoch: Optional[int] = None):
-        self.what, self.logged = what, set()
+        self.what, self.logged, self.train = what, set(), epoch is not None
         self.stats = {"batches": 0, "samples": 0, "image_tokens": 0, "corrupt": 0}
-        if epoch is not None:
-            self.stats = {"epoch": epoch, **self.stats}
+        if self.train:
+            self.stats = {"epoch": epoch, **self.stats, "standins": 0}
 
     def add(self, meta: Dict, batch: Optional[Dict]):
         if batch is not None:
@@ -54,18 +62,26 @@ class _Counter:
             self.stats["samples"] += meta["samples"]
             self.stats["image_tokens"] += meta["image_tokens"]
         self.stats["corrupt"] += meta.get("corrupt", 0)
+        if self.train:
+            self.stats["standins"] += meta.get("standins", 0)
+        what = "unusable" if self.train else "skipped"
         for message in meta.get("messages", ()):
             # Resampled shards repeat their bad samples: each distinct one is logged once an epoch.
             if message in self.logged or len(self.logged) > LOG_LIMIT:
                 continue
             self.logged.add(message)
             if len(self.logged) <= LOG_LIMIT:
-                log.warning("%s: skipped %s", self.what, message)
+                log.warning("%s: %s %s", self.what, what, message)
             else:
                 log.warning("%s: further corrupt samples are counted in stats['corrupt'] only", self.what)
 
     def close(self):
-        if self.stats["corrupt"]:
+        if not self.stats["corrupt"] and not self.stats.get("standins"):
+            return
+        if self.train:
+            log.warning("%s: %d unusable samples; %d rows stood in by other samples of their slots (%d used)",
+                        self.what, self.stats["corrupt"], self.stats["standins"], self.stats["samples"])
+        else:
             log.warning("%s: skipped %d corrupt samples (%d used)", self.what, self.stats["corrupt"],
                         self.stats["samples"])
 
@@ -152,27 +168,23 @@ class TrainLoader:
         check_int(cfg.rank, "rank", 0)
         if cfg.rank >= cfg.world_size:
             raise UsageError(f"rank {cfg.rank} is not below world_size {cfg.world_size}")
-        check_int(cfg.shuffle_buffer, "shuffle_buffer", 0)
+        check_int(cfg.sample_shuffle_size, "--sample-shuffle-size", 0)
         check_mode(cfg.image_decode)
-        sources = expand_sources(cfg.train_data, "--train-data")
-        self.urls = [url for source in sources for url in source]
-        self.weights = shard_weights(sources, cfg.upsampling_factors, bool(cfg.dataset_resampled))
         num_samples, num_tokens = cfg.num_samples, cfg.num_image_tokens
         if num_samples is not None and num_tokens is not None:
             raise UsageError(f"give one of --train-num-samples ({num_samples}) or --naflex-num-train-image-tokens "
                              f"({num_tokens}), not both: each sizes the epoch")
+        self.slots = check_slots(default_slots(cfg.world_size, cfg.workers) if cfg.slots is None else cfg.slots,
+                                 cfg.world_size)
+        self.index = _data_index(cfg)
         if num_samples is None and num_tokens is None:
-            num_samples = dataset_size(self.urls)
-            if not num_samples:
-                raise UsageError("one of --train-num-samples or --naflex-num-train-image-tokens is needed to size "
-                                 "an epoch (the shards have no open_clip sizes.json listing them all)")
+            num_samples = self.index.total  # the default epoch: the data set, once
         self._target = (num_samples, num_tokens)
-        self.num_batches = self._plan.num_batches_for(num_samples, num_tokens)
+        self.num_batches = self._plan.num_batches_within(num_samples, num_tokens)
         samples, tokens = self._plan.totals(self.num_batches)
         self.num_samples = samples * cfg.world_size        # global, every epoch alike (stratified schedule)
         self.num_token_slots = tokens * cfg.world_size     # global batch_size * seq_len summed over the epoch
-        self.slots = check_slots(default_slots(cfg.world_size, cfg.workers) if cfg.slots is None else cfg.slots,
-                                 cfg.world_size)
+        _check_sizes(self.index, self._plan, cfg, self.slots, self.num_samples, self._target)
         self.segment = Segment(0, self.num_batches, cfg.world_size, self.slots)
         # the segment and start batch (``_write_position``); in shared memory, so persistent workers see set_epoch
         # and, last, the iteration's generation (``ring``)
@@ -183,6 +195,24 @@ class TrainLoader:
         self._ring = None  # with 2+ workers: the batches' shared buffers, made before the workers start
         self._generation = 0
         self.stats = _Counter("--train-data", 0).stats
+
+    def describe(self) -> str:
+        """One line: what an epoch holds, against the data set (passes, the last step's remainder)."""
+        total, epoch = self.index.total, self.num_samples
+        data = f"{total} samples in {len(self.index.urls)} shard(s)"
+        if self.cfg.dataset_resampled:
+            return f"--train-data: {data}; an epoch draws {epoch} samples with replacement (--dataset-resampled)"
+        target = self._target[0]
+        if target is None:
+            return (f"--train-data: {data}; an epoch of {epoch} samples covers --naflex-num-train-image-tokens "
+                    f"{self._target[1]} ({epoch / total:.3f} passes over the data set)")
+        left = f"; the last step's remainder of {target - epoch} is not trained" if target > epoch else ""
+        if epoch <= total:
+            what = "each sample once" if epoch == total else "each sample at most once"
+            return f"--train-data: {data}; an epoch of {epoch} samples holds {what}{left}"
+        passes, rest = divmod(epoch, total)
+        return (f"--train-data: {data}; an epoch of {epoch} samples is {passes} whole pass(es) over the data set, "
+                f"each its own order, and {rest} samples of one more{left}")
 
     def __len__(self) -> int:
         return self.num_batches
@@ -223,14 +253,15 @@ class TrainLoader:
         """The segment at this world size that goes on with ``saved``'s epoch after its step ``steps_done``.
 
         ``samples`` and ``tokens`` (global, token slots) are what the epoch consumed up to there;
-        the new segment covers what is left of the epoch's ``--train-num-samples`` (or tokens).
+        the new segment covers what is left of the epoch's target (the data set, ``--train-num-samples``
+        or tokens), whole steps within it.
         """
         saved_steps = max(1, saved.num_batches // self.cfg.accum_freq)
         progress = saved.progress + (1.0 - saved.progress) * (steps_done - saved.first_step) / saved_steps
         num_samples, num_tokens = self._target
         left = num_samples - samples if num_samples is not None else num_tokens - tokens
-        batches = 0 if left <= 0 else (self._plan.num_batches_for(left) if num_samples is not None
-                                       else self._plan.num_batches_for(num_image_tokens=left))
+        batches = 0 if left <= 0 else (self._plan.num_batches_within(left) if num_samples is not None
+                                       else self._plan.num_batches_within(num_image_tokens=left))
         return Segment(saved.epoch, batches, self.cfg.world_size, saved.slots, samples, steps_done, progress, tokens)
 
     def schedule(self, epoch: Optional[int] = None) -> List[BatchSpec]:
@@ -244,9 +275,9 @@ class TrainLoader:
         cfg = self.cfg
         position = self._position.clone() if position is None else position
         recycle = not (self.pin_memory and torch.cuda.is_available())
-        return TrainStream(self.urls, self._plan, position, cfg.rank, cfg.workers, cfg.shuffle_buffer,
-                           self.tokenizer, bool(cfg.dataset_resampled), self.weights, recycle=recycle,
-                           decode=cfg.image_decode, ring=ring)
+        return TrainStream(self.index, self._plan, position, cfg.rank, cfg.workers, cfg.sample_shuffle_size,
+                           self.tokenizer, bool(cfg.dataset_resampled), recycle=recycle, decode=cfg.image_decode,
+                           ring=ring)
 
     def _make_ring(self) -> Optional[Ring]:
         """Shared batch buffers for 2+ workers that hand over in recycled memory (a pinned loader copies anyway)."""
@@ -340,9 +371,8 @@ class ValLoader:
     def num_samples(self) -> int:
         """Samples with an image and a caption: from sizes.json if it lists every shard, else one read of the shards."""
         if self._num_samples is None:
-            count = dataset_size(self.urls)
+            count = listed_total(self.urls)
             if count is None:
-                from .samples import Corruption, shard_samples
                 count = sum(1 for url in self.urls for _ in shard_samples(url, Corruption()))
             self._num_samples = count
         return self._num_samples
@@ -366,6 +396,47 @@ class ValLoader:
         if counter.stats["samples"] == 0:
             raise UsageError(f"--val-data: no usable samples in its {len(self.urls)} shard(s)")
         counter.close()
+
+
+def _data_index(cfg: DataConfig) -> DataIndex:
+    """The shards of ``--train-data``, their sizes (``index.shard_sizes``), sources and resampling weights."""
+    sources = expand_sources(cfg.train_data, "--train-data")
+    urls = [url for source in sources for url in source]
+    twice = next((url for url, n in Counter(urls).items() if n > 1), None)
+    if twice is not None:
+        raise UsageError(f"--train-data lists shard {twice!r} twice: its samples would come twice an epoch, and "
+                         f"could meet in one batch; list each shard once (to weight sources: --dataset-resampled "
+                         f"with --train-data-upsampling-factors)")
+    weights = shard_weights(sources, cfg.upsampling_factors, bool(cfg.dataset_resampled))
+    index = DataIndex(urls, shard_sizes(urls), [k for k, source in enumerate(sources) for _ in source], weights)
+    if index.total == 0:
+        raise UsageError(f"--train-data: its {len(urls)} shard(s) hold no samples (a sample is a run of tar members "
+                         f"with one key: an image .{'/.'.join(IMAGE_EXTS)} and a .txt caption)")
+    return index
+
+
+def _check_sizes(index: DataIndex, plan: Schedule, cfg: DataConfig, slots: int, epoch: int, target) -> None:
+    """Refuse, in one line with the numbers, what the order cannot hold without a repeat inside a batch."""
+    total, world, largest = index.total, cfg.world_size, max(plan.batch_sizes)
+    if total < world * largest:
+        raise UsageError(f"--train-data holds {total} samples, fewer than one batch ({world} rank(s) x {largest} at "
+                         f"--naflex-seq-lens {min(plan.seq_lens)}): a batch would hold a sample twice; add data or "
+                         f"lower --naflex-max-tokens-per-batch")
+    if epoch == 0:
+        what = (f"--train-num-samples {target[0]}" if target[0] is not None and target[0] != total
+                else f"the data set's {total} samples" if target[0] is not None
+                else f"--naflex-num-train-image-tokens {target[1]}")
+        raise UsageError(f"{what} cannot fill one optimizer step ({world} rank(s) x {cfg.accum_freq} batches of "
+                         f"up to {largest}); raise --train-num-samples or lower --accum-freq or the token budget")
+    share = total // slots
+    if cfg.dataset_resampled and share < largest:
+        raise UsageError(f"--dataset-resampled: each of the {slots} data slots draws from its own {share} samples, "
+                         f"fewer than one batch ({largest}); lower --data-slots (or --workers), or add data")
+    if not cfg.dataset_resampled and epoch > total and share < 2 * largest:
+        raise UsageError(f"an epoch of {epoch} samples spans passes over the {total}-sample data set, and each of the "
+                         f"{slots} data slots' parts ({share}) must hold two batches ({2 * largest}) for passes to "
+                         f"meet without a repeat inside a batch; use --train-num-samples <= {total} with more "
+                         f"--epochs, or lower --data-slots (or --workers)")
 
 
 def make_train_loader(cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False) -> TrainLoader:

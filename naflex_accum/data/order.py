@@ -1,15 +1,14 @@
-"""The global sample order of an epoch, and which rank and worker reads which part of it.
+"""Where an epoch's batches fall in its global sample order, and which rank and worker reads which part.
 
-Invariant: an epoch's samples form one global sequence that depends only on the
-seed, the epoch and the number of data slots ``C`` (``--data-slots``), never on the
-world size or the number of loader workers. Position ``g`` of the epoch is sample
-``g // C`` of slot ``g % C``'s stream (each slot reads its own share of the shards
-through its own shuffle buffer, see ``pipeline``). Every run of an epoch consumes
-a prefix of that sequence with no gap and no repeat: global batch ``j`` of a
-segment that starts at position ``base`` takes the next ``W * b_j`` positions, and
-rank ``r`` of ``W`` takes those congruent to ``base + r`` modulo ``W``, in order. So
-with ``W`` dividing ``C`` a rank reads only its ``C / W`` slots, and each slot is
-read by one loader worker of one rank. An epoch is run in segments: the first at
+Invariant: an epoch's samples form one global sequence of positions that depends
+only on the data set, the seed, the epoch and the number of data slots ``C``
+(``--data-slots``), never on the world size or the number of loader workers (what
+each position holds is ``slots``'s). Every run of an epoch consumes a prefix of
+that sequence with no gap and no repeat: global batch ``j`` of a segment that
+starts at position ``base`` takes the next ``W * b_j`` positions, and rank ``r`` of
+``W`` takes those congruent to ``base + r`` modulo ``W``, in order. A slot's
+positions in one pass all fall to one rank (``W`` divides ``C``), read by one of
+its loader workers (``slot_worker``). An epoch is run in segments: the first at
 the epoch's start; a resume at another world size starts a new one where the
 saved one stopped (``base`` = the global samples already consumed), with a batch
 schedule of its own for the samples (or tokens) the epoch still has to cover.
@@ -61,15 +60,14 @@ class Segment:
         return cls(**{key: values[key] for key in cls.__dataclass_fields__})
 
 
-def rank_slots(segment: Segment, rank: int) -> List[int]:
-    """The slots rank ``rank`` reads in ``segment``, in increasing order."""
-    world, slots = segment.world_size, segment.slots
-    return list(range((segment.base + rank) % world, slots, world))
+def slot_worker(slot: int, world_size: int, workers: int) -> int:
+    """The loader worker (of ``workers``) that reads ``slot`` on the rank its positions fall to.
 
-
-def worker_slots(segment: Segment, rank: int, worker: int, workers: int) -> List[int]:
-    """The slots worker ``worker`` of ``workers`` (>= 1) of rank ``rank`` reads; empty when workers outnumber slots."""
-    return rank_slots(segment, rank)[worker::max(1, workers)]
+    A slot's positions of one pass are congruent modulo the slot count, so modulo the world
+    size (which divides it): they all fall to one rank, and the rank's slots are ``r, r + W,
+    r + 2W, ...``; its workers take every ``workers``-th of them.
+    """
+    return (slot // world_size) % max(1, workers)
 
 
 def batch_positions(segment: Segment, rank: int, cursor: int, batch_size: int) -> range:
@@ -77,11 +75,6 @@ def batch_positions(segment: Segment, rank: int, cursor: int, batch_size: int) -
     world = segment.world_size
     start = segment.base + rank + world * cursor
     return range(start, start + world * batch_size, world)
-
-
-def skipped_before(position: int, slot: int, slots: int) -> int:
-    """Samples of slot ``slot``'s stream at global positions below ``position`` (consumed by earlier batches)."""
-    return max(0, -(-(position - slot) // slots))
 
 
 def cursors(batch_sizes: Sequence[int]) -> List[int]:

@@ -1,27 +1,23 @@
-"""The worker side: raw samples -> parts of NaFlex batches, one stream per slot (``order``).
+"""The worker side: samples -> parts of NaFlex batches, each row the sample at its global position (``slots``).
 
 Invariant: every worker of a rank yields exactly one part of every batch of the
 segment from ``start_batch`` on, in order (so torch's DataLoader round-robin
 delivers a batch's parts one after another): the rows of the batch whose global
-positions fall in the slots it owns, each filled from that slot's sample stream,
-whose order is a pure function of ``(seed, epoch, slot)`` and never of the batch
-sizes, the world size or the workers: a sample that fails to decode is skipped
-(and reported) and the row takes the slot's next one. What the batches before
-``start_batch`` (and the segments before this one) took is skipped, not built:
-those samples are read and pass the shuffle, and each image gets the header
-check that decoding starts with (``images.inspect``), so a skip counts the same
-samples as undecodable as a decode would whenever the check is what fails (a
-cut-short file, a bad header, too many pixels), and nothing is decoded, resized,
-tokenized or collated. Every yield is ``(part, meta)``: the part has exactly the
+positions fall in the slots it reads, each the sample the epoch's order puts
+there (``slots.EpochOrder``: a pure function of the data set, the seed, the epoch
+and the slots, never of the batch sizes, the world size or the workers), or a
+stand-in where that sample cannot serve (``fill``). A resumed epoch computes
+where its first batch's samples are and reads from there: the batches before
+``start_batch`` cost no decode, tokenize or collate, and their shards' samples
+only a header each. Every yield is ``(part, meta)``: the part has exactly the
 keys the model takes (None for a worker with no rows in that batch), and
-``meta`` carries the batch index, the part's rows and its counts (samples, image
-tokens, corrupt samples and their messages) back to the main process. A
-``UsageError`` in a worker is sent back as ``(None, {"error": message})`` so the
-main process can raise it as one clean line. How a worker's parts reach the
-main process (recycled shared memory) is ``handover``'s.
+``meta`` carries the batch index, the part's rows, keys and counts (samples,
+image tokens, corrupt samples and their messages, stand-ins) back to the main
+process. A ``UsageError`` in a worker is sent back as ``(None, {"error":
+message})`` so the main process can raise it as one clean line. How a worker's
+parts reach the main process (recycled shared memory) is ``handover``'s.
 """
 import math
-import random
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,15 +26,12 @@ from ..errors import UsageError
 from ..naflex import patch_grid, patchify_images, patchify_into
 from .decode import decode_for_seq
 from .handover import WorkerSlots, fresh_shared, new_flags, pack
-from .images import inspect
-from .order import Segment, batch_positions, cursors, skipped_before, worker_slots
-from .samples import Corruption, RawSample, sample_stream, shard_samples, shuffled
-from .schedule import BatchSpec, Schedule, derive_seed
-from .shards import shard_order, shard_sampler
+from .fill import MAX_CONSECUTIVE_FAILURES, BatchFill, Readers
+from .order import Segment, batch_positions, cursors, slot_worker
+from .samples import Corruption, RawSample, shard_samples
+from .schedule import BatchSpec, Schedule
+from .slots import DataIndex, EpochOrder
 from .text import BatchTokenizer
-
-# Consecutive undecodable images before giving up: only a data set with no decodable image gets there.
-MAX_CONSECUTIVE_FAILURES = 1000
 
 
 def _take(samples: Iterator[RawSample], count: int, use: Callable, report: Corruption, flag: str) -> List:
@@ -67,16 +60,11 @@ def decode_samples(samples: Iterator[RawSample], count: int, seq_len: int, patch
                    report: Corruption, flag: str, decode: str = "scaled"
                    ) -> Tuple[List[torch.Tensor], List[str], List[str]]:
     """Up to ``count`` uint8 images at their NaFlex size (``decode``), their captions and their sample keys
-    (``url#key``); failures are skipped and reported."""
+    (``url#key``); failures are skipped and reported (held-out data: every usable sample once, in order)."""
     def use(raw):
         return decode_for_seq(raw.data, seq_len, patch_size, decode), raw.caption, f"{raw.url}#{raw.key}"
     taken = _take(samples, count, use, report, flag)
     return [t[0] for t in taken], [t[1] for t in taken], [t[2] for t in taken]
-
-
-def skip_samples(samples: Iterator[RawSample], count: int, report: Corruption, flag: str) -> None:
-    """Consume what ``decode_samples`` would for ``count`` samples, checking headers only (see module docstring)."""
-    _take(samples, count, lambda raw: inspect(raw.data), report, flag)
 
 
 def make_batch(images: List[torch.Tensor], captions: List[str], seq_len: int, patch_size: int, flatten: bool,
@@ -110,26 +98,26 @@ class TrainStream(torch.utils.data.IterableDataset):
 
     ``position`` is the int64 tensor ``TrainLoader`` writes its segment and start
     batch into, read at each ``iter``: in shared memory it lets persistent workers
-    follow ``set_epoch``. Each worker reads the slots ``order.worker_slots`` gives it
-    and yields, for every batch from the start batch on, its part: the rows of the
-    batch (positions in it) whose samples come from its slots, collated, with
-    ``meta["rows"]`` saying which (``TrainLoader`` puts the parts together). With
-    ``recycle`` (what ``TrainLoader`` asks for unless it pins) patches go into recycled
-    shared-memory slots (``handover``), in a worker or in this process alike, and what
-    it yields must go through a ``handover.Receiver`` over ``flags``; without it workers
-    write each part into fresh shared memory, and in this process parts are plain.
+    follow ``set_epoch``. Slot ``s`` is read by worker ``(s // world size) % workers``
+    of the rank its positions fall to (``order.slot_worker``); each worker yields,
+    for every batch from the start batch on, its part: the rows of the batch whose
+    samples come from its slots (``fill``), with ``meta["rows"]`` saying which
+    (``TrainLoader`` puts the parts together). With ``recycle`` (what ``TrainLoader``
+    asks for unless it pins) patches go into recycled shared-memory slots
+    (``handover``), in a worker or in this process alike, and what it yields must go
+    through a ``handover.Receiver`` over ``flags``; without it workers write each
+    part into fresh shared memory, and in this process parts are plain.
     """
 
-    def __init__(self, urls: Sequence[str], plan: Schedule, position: torch.Tensor, rank: int, workers: int,
-                 shuffle_buffer: int, tokenizer: Callable, resampled: bool = False,
-                 weights: Optional[Sequence[float]] = None, recycle: bool = False, decode: str = "scaled",
-                 ring=None):
+    def __init__(self, index: DataIndex, plan: Schedule, position: torch.Tensor, rank: int, workers: int,
+                 window: int, tokenizer: Callable, resampled: bool = False, recycle: bool = False,
+                 decode: str = "scaled", ring=None):
         super().__init__()
         self.decode, self.ring = decode, ring
-        self.urls, self.plan, self.position = list(urls), plan, position
+        self.index, self.plan, self.position = index, plan, position
         self.rank, self.workers = rank, max(1, workers)
-        self.shuffle_buffer, self.tokenize = shuffle_buffer, BatchTokenizer(tokenizer)
-        self.resampled, self.weights = resampled, weights
+        self.window, self.tokenize = window, BatchTokenizer(tokenizer)
+        self.resampled = resampled
         self.flags, self.recycle = new_flags(self.workers), recycle
         self._slots = None  # this worker's WorkerSlots, made in the worker, kept while it lives
 
@@ -152,16 +140,9 @@ class TrainStream(torch.utils.data.IterableDataset):
         except UsageError as exc:
             yield None, {"error": str(exc)}
 
-    def slot_samples(self, slot: int, slots: int, epoch: int, report: Corruption) -> Iterator[RawSample]:
-        """Slot ``slot`` of ``slots``: its endless, shuffled sample stream for the epoch (``order``)."""
-        seed = self.plan.seed
-        if self.resampled:
-            shards = shard_sampler(self.urls, self.weights, seed, epoch, slot)
-            distinct = len({u for u, w in zip(self.urls, self.weights or [1] * len(self.urls)) if w > 0})
-        else:
-            shards, distinct = shard_order(self.urls, seed, epoch, slot, slots), len(set(self.urls))
-        raw = sample_stream(shards, report, distinct)
-        return shuffled(raw, self.shuffle_buffer, random.Random(derive_seed("samples", seed, epoch, slot)))
+    def epoch_order(self, epoch: int, slots: int) -> EpochOrder:
+        return EpochOrder(self.index, self.plan.seed, epoch, slots, self.window, max(self.plan.batch_sizes),
+                          self.resampled)
 
     def _batches(self, worker: int, segment: Optional[Segment] = None, start: Optional[int] = None,
                  alloc: Optional[Callable[[int], torch.Tensor]] = None):
@@ -169,36 +150,37 @@ class TrainStream(torch.utils.data.IterableDataset):
             segment, start = _segment(self.position)
         specs = self.plan.epoch(segment.epoch, segment.num_batches, segment.base)
         firsts = cursors([spec.batch_size for spec in specs])
-        report = Corruption()
-        owned = worker_slots(segment, self.rank, worker, self.workers)
-        streams = {slot: self.slot_samples(slot, segment.slots, segment.epoch, report) for slot in owned}
-        start = start or 0
-        if start < len(specs):  # what the batches before ``start`` took is skipped, header checks only
-            resume_at = segment.base + segment.world_size * firsts[start]
-            for slot, samples in streams.items():
-                skip_samples(samples, skipped_before(resume_at, slot, segment.slots), report, "--train-data")
+        report, failures = Corruption(), [0]
+        order = self.epoch_order(segment.epoch, segment.slots)
+        readers = Readers(order)
         flatten = not self.plan.multi_patch
         generation = int(self.position[7]) if len(self.position) > 7 else 0
-        for index in range(start, len(specs)):
-            spec: BatchSpec = specs[index]
-            rows = {slot: [] for slot in owned}
-            for row, position in enumerate(batch_positions(segment, self.rank, firsts[index], spec.batch_size)):
-                if position % segment.slots in rows:
-                    rows[position % segment.slots].append(row)
-            order = sorted(row for slot_rows in rows.values() for row in slot_rows)
-            if not order:
-                corrupt, messages = report.drain()
-                yield None, {"index": index, "rows": [], "corrupt": corrupt, "messages": messages, "worker": worker}
-                continue
-            into, buffer = self._ring_rows(generation, index, spec, order)
-            batch, captions, keys, grid = _part(streams, rows, order, spec, report, self.decode, into,
-                                                None if into else alloc)
-            if not flatten and batch["patches"] is not None:
-                p = spec.patch_size
-                batch["patches"] = batch["patches"].view(len(order), spec.seq_len, p, p, 3)
-            batch = {"image": batch, "text": self.tokenize(captions)}
-            yield batch, dict(batch_meta(index, batch, report), rows=order, keys=keys, worker=worker, ring=buffer,
-                              grid=grid, seq_len=spec.seq_len)
+        world = segment.world_size
+        try:
+            for index in range(start or 0, len(specs)):
+                spec: BatchSpec = specs[index]
+                positions = batch_positions(segment, self.rank, firsts[index], spec.batch_size)
+                located = [order.locate(g) for g in positions]
+                order_rows = [row for row, (slot, _, _) in enumerate(located)
+                              if slot_worker(slot, world, self.workers) == worker]
+                if not order_rows:
+                    corrupt, messages = report.drain()
+                    yield None, {"index": index, "rows": [], "corrupt": corrupt, "messages": messages,
+                                 "worker": worker, "standins": 0}
+                    continue
+                lo = segment.base + world * firsts[index]
+                fill = BatchFill(order, readers, lo, lo + world * spec.batch_size, report, "--train-data", failures)
+                into, buffer = self._ring_rows(generation, index, spec, order_rows)
+                batch, captions, keys, grid = _part(fill, located, order_rows, spec, self.decode, into,
+                                                    None if into else alloc)
+                if not flatten and batch["patches"] is not None:
+                    p = spec.patch_size
+                    batch["patches"] = batch["patches"].view(len(order_rows), spec.seq_len, p, p, 3)
+                batch = {"image": batch, "text": self.tokenize(captions)}
+                yield batch, dict(batch_meta(index, batch, report), rows=order_rows, keys=keys, worker=worker,
+                                  ring=buffer, grid=grid, seq_len=spec.seq_len, standins=fill.standins)
+        finally:
+            readers.close()
 
     def _ring_rows(self, generation: int, index: int, spec: BatchSpec, rows: List[int]):
         """``((patches, rows), buffer)`` when the main process assigned batch ``index`` a ring buffer, else (None, None)."""
@@ -210,13 +192,13 @@ class TrainStream(torch.utils.data.IterableDataset):
         return (memory, rows), buffer
 
 
-def _part(streams: Dict, rows: Dict[int, List[int]], order: List[int], spec: BatchSpec, report: Corruption,
-          decode: str, into=None, alloc: Optional[Callable[[int], torch.Tensor]] = None):
+def _part(fill: BatchFill, located: List[Tuple[int, int, int]], order: List[int], spec: BatchSpec, decode: str,
+          into=None, alloc: Optional[Callable[[int], torch.Tensor]] = None):
     """One worker's part of a batch, its rows ``order`` (ascending): ``(image, captions, keys, grid)``, each in
     row order. Each image goes into its row the moment it is decoded (``naflex.patchify_into``), while it is
     still in the cache: into the ring buffer ``into=(patches, rows)`` (the image dict's patches are then
-    None), else into ``alloc``'s memory or a new tensor; a sample that fails is skipped and the row takes the
-    slot's next one, as ``decode_samples`` does."""
+    None), else into ``alloc``'s memory or a new tensor; a row whose sample cannot serve takes a stand-in
+    (``fill``)."""
     seq_len, p = spec.seq_len, spec.patch_size
     shape = (len(order), seq_len, p * p * 3)
     if into is None:
@@ -224,29 +206,21 @@ def _part(streams: Dict, rows: Dict[int, List[int]], order: List[int], spec: Bat
         target = {row: i for i, row in enumerate(order)}
     else:
         patches, target = into[0], {row: row for row in order}
-    flat, taken = patches.numpy(), {}
-    for slot, slot_rows in rows.items():
-        if slot_rows:
-            use = _row_writer([flat[target[row]] for row in slot_rows], seq_len, p, decode)
-            taken.update(zip(slot_rows, _take(streams[slot], len(slot_rows), use, report, "--train-data")))
-    if len(taken) != len(order):  # only a stream that ended could: train streams do not end
-        raise RuntimeError(f"a loader worker filled {len(taken)} of its {len(order)} rows of a batch")
-    grid, captions, keys = zip(*(taken[row] for row in order))
+    flat, taken = patches.numpy(), []
+    for row in order:
+        taken.append(fill.take(*located[row], _row_writer(flat[target[row]], seq_len, p, decode)))
+    grid, captions, keys = zip(*taken)
     coord, valid = patch_grid(*zip(*grid), seq_len)
     return ({"patches": None if into is not None else patches, "patch_coord": coord, "patch_valid": valid},
             list(captions), list(keys), list(grid))
 
 
-def _row_writer(rows: List, seq_len: int, patch_size: int, decode: str) -> Callable:
-    """``use`` for ``_take``: a sample decoded straight into the next of ``rows`` (numpy uint8 batch rows);
+def _row_writer(row, seq_len: int, patch_size: int, decode: str) -> Callable:
+    """``use`` for ``fill``: a sample decoded straight into ``row`` (a numpy uint8 batch row);
     ``(grid, caption, key)``, grid being the image's ``(patch count, grid width)``."""
-    done = [0]
-
     def use(raw):
         img = decode_for_seq(raw.data, seq_len, patch_size, decode)
-        grid = patchify_into(rows[done[0]], img, patch_size)
-        done[0] += 1  # only now: a sample that fails leaves its row to the next one
-        return grid, raw.caption, f"{raw.url}#{raw.key}"
+        return patchify_into(row, img, patch_size), raw.caption, f"{raw.url}#{raw.key}"
     return use
 
 

@@ -1,21 +1,18 @@
-"""Reading shards into raw samples: tar members grouped by key, checked, shuffled.
+"""Reading shards into samples: tar members grouped by key, numbered, checked.
 
-Invariant: ``sample_stream`` yields only samples with image bytes of a
-recognisable format (a JPEG/PNG/WebP signature, or a file Pillow identifies) and
-a non-empty UTF-8 caption; everything else (a missing or garbage image, a
-missing caption, an unreadable or truncated tar) is skipped and recorded in a
-``Corruption`` report, never raised, so one bad shard cannot stop training. The
-one exception is a shard set with no usable sample at all: once every distinct
-shard has been read with nothing usable since the last good sample, it raises a
-``UsageError`` instead of spinning forever. No image header is parsed here: the
-samples that pass only through the shuffle buffer cost a signature check; the
-decode stage (``images.inspect``) reads headers.
+Invariant: a shard's samples are its runs of members with one key (webdataset's
+grouping), numbered 0, 1, ... in tar order whatever they hold, so a sample's
+number is a fact of the file that ``count_samples`` (headers only) and
+``shard_groups`` (which reads from any number on, passing the earlier ones over
+by their headers) agree on. ``checked`` accepts only samples with image bytes of
+a recognisable format (a JPEG/PNG/WebP signature, or a file Pillow identifies)
+and a non-empty UTF-8 caption; everything else is recorded in a ``Corruption``
+report (an exact count and the first messages), never raised. No image header
+is parsed here: the decode stage (``images.inspect``) reads headers.
 """
-import random
 import re
-from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
-from ..errors import UsageError
 from .images import readable
 
 IMAGE_EXTS = ("jpg", "png", "jpeg", "webp")
@@ -61,8 +58,9 @@ def _split_name(fname: str):
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
-def tar_members(url: str) -> Iterator[Tuple[str, bytes]]:
-    """(file name, bytes) of each regular file in a tar, via webdataset's gopen (paths, file:, pipe:, ...)."""
+def tar_members(url: str, want: Optional[Callable[[str], bool]] = None) -> Iterator[Tuple[str, Optional[bytes]]]:
+    """(file name, bytes) of each regular file in a tar, via webdataset's gopen (paths, file:, pipe:, ...);
+    ``want`` as ``tario.iter_tar``'s (a member it refuses comes with None, its data unread)."""
     from webdataset.gopen import gopen
 
     from .tario import iter_tar
@@ -70,7 +68,7 @@ def tar_members(url: str) -> Iterator[Tuple[str, bytes]]:
     stream = gopen(url)
     finished = False
     try:
-        yield from iter_tar(stream)
+        yield from iter_tar(stream, want)
         finished = True
     finally:
         try:
@@ -81,7 +79,8 @@ def tar_members(url: str) -> Iterator[Tuple[str, bytes]]:
                 raise
 
 
-def _checked(url: str, key: str, files: Dict[str, bytes], report: Corruption) -> Optional[RawSample]:
+def checked(url: str, key: str, files: Dict[str, bytes], report: Corruption) -> Optional[RawSample]:
+    """The usable sample in ``files`` (a key's members), or None after reporting why it is not."""
     ext = next((e for e in IMAGE_EXTS if e in files), None)
     if ext is None:
         report.add(url, key, f"no image (.{'/.'.join(IMAGE_EXTS)}); has {sorted(files)}")
@@ -114,7 +113,7 @@ def shard_samples(url: str, report: Corruption) -> Iterator[RawSample]:
             if name is None:
                 continue
             if name != key:
-                sample = _checked(url, key, files, report) if key is not None else None
+                sample = checked(url, key, files, report) if key is not None else None
                 if sample is not None:
                     yield sample
                 key, files = name, {}
@@ -123,51 +122,53 @@ def shard_samples(url: str, report: Corruption) -> Iterator[RawSample]:
         first_line = (str(exc).splitlines() or [""])[0]
         report.add(url, None, f"unreadable shard ({type(exc).__name__}: {first_line})")
     if key is not None:
-        sample = _checked(url, key, files, report)
+        sample = checked(url, key, files, report)
         if sample is not None:
             yield sample
 
 
-def sample_stream(shards: Iterable[str], report: Corruption, num_distinct: int,
-                  flag: str = "--train-data") -> Iterator[RawSample]:
-    """Usable samples of the shards in order; a UsageError once all distinct shards came up empty in a row."""
-    dry = set()
-    for url in shards:
-        usable = False
-        for sample in shard_samples(url, report):
-            usable = True
-            dry.clear()
-            yield sample
-        if not usable:
-            dry.add(url)
-            if len(dry) >= num_distinct:
-                hint = f"; last problem: {report.last}" if report.last else "; the shards hold no samples"
-                raise UsageError(f"{flag}: no usable samples in its {num_distinct} shard(s) (each sample needs an "
-                                 f"image .{'/.'.join(IMAGE_EXTS)} and a non-empty .txt caption){hint}")
+def shard_groups(url: str, start: int = 0, stop: Optional[int] = None
+                 ) -> Iterator[Tuple[int, str, Dict[str, bytes]]]:
+    """``(number, key, {extension: bytes})`` of samples ``start`` to ``stop`` of one shard, in tar order.
 
-
-def shuffled(samples: Iterator[RawSample], buffer_size: int, rng: random.Random) -> Iterator[RawSample]:
-    """A seeded shuffle buffer: fill up to ``buffer_size`` samples, then emit a random one and refill its slot.
-
-    The fill stops early at the first repeat of a sample already held (a reader whose
-    shards hold fewer samples than the buffer has wrapped round to a resampled shard),
-    so a small data set does not put several copies of a sample into the buffer, and
-    then into one batch.
+    The samples before ``start`` are passed over by their headers alone (their data
+    seeked past where the stream allows). A read error propagates after the samples
+    before it.
     """
-    if buffer_size <= 1:
-        yield from samples
-        return
-    buffer, held = [], set()
-    for sample in samples:
-        if held is not None:
-            if (sample.url, sample.key) not in held and len(buffer) < buffer_size:
-                held.add((sample.url, sample.key))
-                buffer.append(sample)
-                continue
-            held = None  # full, or wrapped round: the buffer's size is fixed from here
-        i = rng.randrange(len(buffer))
-        yield buffer[i]
-        buffer[i] = sample
-    # Only a finite stream gets here (validation); the train stream is endless.
-    rng.shuffle(buffer)
-    yield from buffer
+    state = {"key": None, "index": -1}
+
+    def want(fname: str) -> bool:
+        name, _ = _split_name(fname)
+        if name is None:
+            return False
+        if name != state["key"]:
+            state["key"], state["index"] = name, state["index"] + 1
+        return state["index"] >= start
+
+    current, key, files = -1, None, {}
+    for fname, data in tar_members(url, want):
+        if data is None:
+            continue
+        if state["index"] != current:
+            if files:
+                yield current, key, files
+            current, key, files = state["index"], state["key"], {}
+            if stop is not None and current >= stop:
+                return
+        files[_split_name(fname)[1]] = data
+    if files:
+        yield current, key, files
+
+
+def count_samples(url: str) -> Tuple[int, Optional[str]]:
+    """``(samples, problem)``: the key groups of one shard, from its headers alone, and None, or the
+    samples before a read error and that error in one line."""
+    count, key = 0, None
+    try:
+        for fname, _ in tar_members(url, lambda name: False):
+            name, _ = _split_name(fname)
+            if name is not None and name != key:
+                key, count = name, count + 1
+    except Exception as exc:  # truncated/garbage tar, failed pipe: the samples before it still count
+        return count, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+    return count, None

@@ -28,14 +28,14 @@ class DataConfig:
     max_tokens_per_batch: int = 4096                # --naflex-max-tokens-per-batch
     batch_divisor: int = 1                          # --naflex-batch-divisor
     patch_sizes: Sequence[int] = (16,)              # --naflex-patch-sizes
-    num_samples: Optional[int] = None               # --train-num-samples (global, per epoch)
+    num_samples: Optional[int] = None               # --train-num-samples (global, per epoch; None: the data set)
     num_image_tokens: Optional[int] = None          # --naflex-num-train-image-tokens (global, per epoch)
     accum_freq: int = 1                             # --accum-freq: num_batches is a multiple of it
     seed: int = 0                                   # --seed
     workers: int = 2                                # --workers
     rank: int = 0
     world_size: int = 1
-    shuffle_buffer: int = 1000                      # samples held for shuffling, per worker (0: no shuffle)
+    sample_shuffle_size: int = 1000                 # --sample-shuffle-size: samples shuffled together, per slot
     dataset_resampled: bool = False                 # --dataset-resampled (open_clip's default: off)
     upsampling_factors: Optional[Sequence[float]] = None  # --train-data-upsampling-factors: one per '::' source
     timeout: float = 600.0                          # --data-timeout: seconds without a batch from the workers
@@ -124,25 +124,28 @@ class Schedule:
         tokens = sum(c * b * s for c, b, s in zip(counts, self.batch_sizes, self.seq_lens))
         return samples, tokens
 
-    def num_batches_for(self, num_samples: Optional[int] = None, num_image_tokens: Optional[int] = None) -> int:
-        """Fewest batches per rank (a multiple of accum_freq) covering the global sample or token target."""
+    def num_batches_within(self, num_samples: Optional[int] = None, num_image_tokens: Optional[int] = None,
+                           flag: Optional[str] = None) -> int:
+        """Most batches per rank (a multiple of accum_freq, whole optimizer steps) whose global samples (or
+        token slots) stay within the target; 0 when not even one step fits. What is left over is less than
+        one step's worth."""
         if num_samples is not None:
-            target, which = check_int(num_samples, "--train-num-samples"), 0
+            target, which = check_int(num_samples, flag or "--train-num-samples"), 0
         else:
-            target, which = check_int(num_image_tokens, "--naflex-num-train-image-tokens"), 1
+            target, which = check_int(num_image_tokens, flag or "--naflex-num-train-image-tokens"), 1
         per_batch = [b if which == 0 else b * s for b, s in zip(self.batch_sizes, self.seq_lens)]
         expected = sum(p * x for p, x in zip(self.probs, per_batch)) * self.world_size
         step = self.accum_freq
-        n = max(step, step * math.ceil(target / expected / step))
+        n = step * int(target / expected / step)
 
-        def enough(k):
-            return self.totals(k)[which] * self.world_size >= target
+        def fits(k):
+            return self.totals(k)[which] * self.world_size <= target
 
-        # Apportionment rounding can make the estimate off by a window either way; walk to the fewest.
-        while not enough(n):
-            n += step
-        while n > step and enough(n - step):
+        # Apportionment rounding can make the estimate off by a window either way; walk to the most.
+        while n > 0 and not fits(n):
             n -= step
+        while fits(n + step):
+            n += step
         return n
 
     def epoch(self, epoch: int, num_batches: int, base: int = 0) -> List[BatchSpec]:

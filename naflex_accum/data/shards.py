@@ -1,28 +1,18 @@
-"""Shard URLs: expanding ``--train-data``, validating it, and the order each reader visits shards in.
+"""Shard URLs: expanding ``--train-data`` (and ``--val-data``), validating it, and each shard's sampling weight.
 
 Invariant: ``expand_urls`` either returns a non-empty list of shard URLs whose
 local files all exist, or raises a one-line ``UsageError`` naming the flag and
-the pattern or file at fault. Both shard streams are endless, seeded, and depend
-only on ``(seed, epoch, slot)`` (one slot per rank and worker), so every rank
-computes its own stream the same way whatever the others do:
-``shard_order`` (open_clip without ``--dataset-resampled``) passes over the shard
-list without replacement, each pass reshuffled and split between the slots, and
-a slot that has fewer shards than it needs goes on to the next pass, so no rank
-or worker ever runs dry; ``shard_sampler`` (``--dataset-resampled``) draws shards
-with replacement, each with its source's weight (``--train-data-upsampling-factors``).
+the pattern or file at fault; ``shard_weights`` gives every shard its source's
+``--train-data-upsampling-factors`` value, or refuses the factors in one line.
 """
 import glob
-import itertools
-import json
 import math
 import os
-import random
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from ..errors import UsageError
-from .schedule import derive_seed
 
 _GLOB_CHARS = set("*?[")
 
@@ -105,53 +95,3 @@ def shard_weights(sources: Sequence[Sequence[str]], factors: Union[None, str, Se
     if any(not math.isfinite(v) or v < 0 for v in values) or not any(v > 0 for v in values):
         raise UsageError(f"{flag} {values}: factors must be finite, >= 0, and not all 0")
     return [v for v, source in zip(values, sources) for _ in source]
-
-
-def dataset_size(urls: Sequence[str]) -> Optional[int]:
-    """Samples in ``urls`` from open_clip's ``sizes.json`` (``{shard file name: count}`` beside the shards).
-
-    None unless every shard is local and listed: sizing an epoch must not need a read of the data.
-    """
-    cache, total = {}, 0
-    for url in urls:
-        path = local_path(url)
-        if path is None:
-            return None
-        folder = os.path.dirname(os.path.abspath(path))
-        if folder not in cache:
-            try:
-                with open(os.path.join(folder, "sizes.json")) as f:
-                    cache[folder] = json.load(f)
-            except (OSError, ValueError):
-                cache[folder] = {}
-        count = cache[folder].get(os.path.basename(path)) if isinstance(cache[folder], dict) else None
-        if not isinstance(count, int) or count < 0:
-            return None
-        total += count
-    return total
-
-
-def shard_order(urls: Sequence[str], seed: int, epoch: int, slot: int, num_slots: int) -> Iterator[str]:
-    """Endless stream of the shards slot ``slot`` of ``num_slots`` reads in an epoch.
-
-    Pass p shuffles the whole list with a seed of (seed, epoch, p), the same for every
-    slot, and slot s takes every num_slots-th shard from position s; with fewer
-    shards than slots it takes the one at s mod len(urls), a different one each pass.
-    """
-    urls = list(urls)
-    passes = 0
-    while True:
-        order = urls[:]
-        random.Random(derive_seed("shards", seed, epoch, passes)).shuffle(order)
-        yield from order[slot::num_slots] or [order[slot % len(order)]]
-        passes += 1
-
-
-def shard_sampler(urls: Sequence[str], weights: Optional[Sequence[float]], seed: int, epoch: int,
-                  slot: int) -> Iterator[str]:
-    """Endless stream of shards drawn with replacement for slot ``slot``, each in proportion to its weight."""
-    rng = random.Random(derive_seed("resampled", seed, epoch, slot))
-    urls = list(urls)
-    cumulative = list(itertools.accumulate(weights)) if weights is not None else None
-    while True:
-        yield from rng.choices(urls, cum_weights=cumulative, k=64)

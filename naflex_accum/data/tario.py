@@ -10,10 +10,11 @@ Plain tars are parsed here, a 512-byte header at a time (a few microseconds a
 member instead of ``tarfile``'s tens); compressed ones (gzip, bzip2, xz) go
 through ``tarfile`` itself.
 """
+import os
 import re
 import tarfile
 import zlib
-from typing import BinaryIO, Dict, Iterator, Optional, Tuple
+from typing import BinaryIO, Callable, Dict, Iterator, Optional, Tuple
 
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
@@ -123,15 +124,45 @@ class _Chunked:
         return out
 
     def skip(self, n: int) -> int:
-        """Pass over the next ``n`` bytes without copying them; how many there were (fewer only at the end)."""
+        """Pass over the next ``n`` bytes without copying them; how many there were (fewer only at the end).
+
+        A skip past the buffer on a seekable stream (a local shard) seeks instead of reading; the stream's
+        own end is not checked then, so a cut-short file shows as a short read at the next header.
+        """
         if self.pos + n <= len(self.buffer):
             self.pos += n
             return n
-        return len(self.take(n))
+        rest = len(self.buffer) - self.pos
+        left = _bytes_left(self.stream) if n - rest >= self.CHUNK else None
+        if left is None:
+            return len(self.take(n))
+        moved = min(n - rest, left)
+        self.stream.seek(moved, 1)
+        self.buffer, self.pos = b"", 0
+        return rest + moved
 
 
-def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
-    """``(name, data)`` of each regular file of the tar archive read from ``stream``."""
+def _bytes_left(stream) -> Optional[int]:
+    """Bytes from the position of a seekable file to its end; None for a stream that cannot seek (pipes)."""
+    try:
+        if not stream.seekable():
+            return None
+        return max(0, os.fstat(stream.fileno()).st_size - stream.tell())
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _everything(name: str) -> bool:
+    return True
+
+
+def iter_tar(stream: BinaryIO, want: Optional[Callable[[str], bool]] = None
+             ) -> Iterator[Tuple[str, Optional[bytes]]]:
+    """``(name, data)`` of each regular file of the tar archive read from ``stream``.
+
+    ``want(name)`` False: that member's data is passed over unread (seeked past where the stream allows)
+    and it comes as ``(name, None)``; compressed archives are read whole all the same.
+    """
     reader = _Chunked(stream)
     block = reader.take(BLOCK)
     if not block:
@@ -139,6 +170,7 @@ def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
     if block.startswith(_COMPRESSED):
         yield from _via_tarfile(_Prefixed(reader.buffer, stream))
         return
+    want = want or _everything
     long_name: Optional[str] = None
     pax: Dict[str, str] = {}
     while block and block != _ZERO_BLOCK:
@@ -152,9 +184,6 @@ def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
         if size < 0:
             raise tarfile.ReadError("invalid header (negative size)")
         padded = -(-size // BLOCK) * BLOCK
-        data = reader.take(size)  # the padding is skipped, not copied
-        if len(data) < size or reader.skip(padded - size) < padded - size:
-            raise tarfile.ReadError("unexpected end of data")
         if kind in _REGULAR:
             name = pax.get("path") or long_name
             if name is None:
@@ -162,10 +191,24 @@ def iter_tar(stream: BinaryIO) -> Iterator[Tuple[str, bytes]]:
                 if block[345] != 0:  # a ustar prefix, applied as tarfile applies it
                     name = f"{_name(block[345:500])}/{name}"
             folder = kind == b"\0" and name.endswith("/")  # how pre-POSIX tars mark a folder
-            if not folder and ("__" not in name or not _SKIP_META.match(name)):
+            member = not folder and ("__" not in name or not _SKIP_META.match(name))
+            if member and want(name):
+                data = reader.take(size)  # the padding is skipped, not copied
+                if len(data) < size or reader.skip(padded - size) < padded - size:
+                    raise tarfile.ReadError("unexpected end of data")
                 yield name, data
+            else:
+                if reader.skip(padded) < padded:
+                    raise tarfile.ReadError("unexpected end of data")
+                if member:
+                    yield name, None
             long_name, pax = None, {}
-        elif kind == b"L":
+            block = reader.take(BLOCK)
+            continue
+        data = reader.take(size)
+        if len(data) < size or reader.skip(padded - size) < padded - size:
+            raise tarfile.ReadError("unexpected end of data")
+        if kind == b"L":
             long_name = _name(data)
         elif kind == b"x":
             pax = _pax(data)

@@ -80,8 +80,11 @@ class RunLogger:
         self.evals: list = []  # (epoch, metrics) of each evaluation
         self.bar = None
 
-    def start_epoch(self, epoch: int, num_steps: int):
+    def start_epoch(self, epoch: int, num_steps: int, meters: Optional[dict] = None):
+        """``meters``: what ``meter_state`` saved inside this epoch (a resume), so its averages cover it whole."""
         self.loss_meters = {}
+        for key, (total, count, last) in (meters or {}).items():
+            self.loss_meters.setdefault(key, Meter()).add(total, count, last)
         if self.is_master and sys.stdout.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=num_steps, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
@@ -116,6 +119,10 @@ class RunLogger:
             scalars["logit_bias"] = info["logit_bias"]
         self._scalars("train", scalars, global_step)
         self._console_line(epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps)
+
+    def meter_state(self) -> dict:
+        """``{term: [sum, count, last]}`` of the epoch's loss meters so far (rank 0's; {} elsewhere)."""
+        return {key: [m.sum, m.count, m.val] for key, m in self.loss_meters.items()}
 
     def _scalars(self, prefix: str, scalars: dict, global_step: int):
         if self.wandb is not None:  # the same names and steps as tensorboard's

@@ -48,6 +48,8 @@ class TrainState:
     epoch_samples: int = 0  # global samples (and token slots) the epoch consumed so far
     epoch_tokens: int = 0
     lr_steps_per_epoch: int = 0  # the steps per epoch the learning-rate schedule was laid out with
+    meters: Optional[dict] = None  # the epoch's loss meters (logs.RunLogger.meter_state) at a mid-epoch save
+    data_listing: Optional[list] = None  # the training shards and their sizes (slots.DataIndex.listing)
 
 
 @dataclass
@@ -137,7 +139,8 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
     state.epoch_samples = segment.base + sum(spec.batch_size for spec in specs[:start]) * world.world_size
     state.epoch_tokens = segment.base_tokens + world.world_size * sum(s.batch_size * s.seq_len
                                                                       for s in specs[:start])
-    loop.logger.start_epoch(state.epoch, num_steps - state.step_in_epoch)
+    loop.logger.start_epoch(state.epoch, num_steps - state.step_in_epoch, state.meters)
+    state.meters = None
     accum_state = ([], {}) if k > 1 else None
     sizes, tokens, data_time = [], 0, 0.0
     end = time.time()
@@ -186,10 +189,11 @@ def after_step(state, loop: Loop, done: int, num_steps: int, sizes, lr, epoch_sa
         info = dict(check.info, lr=lr, epoch_samples=epoch_samples,
                     window_scale=window_loss_scale(sizes, args.batch_size, args.naflex_loss_scale))
         loop.logger.step(state.epoch, done, num_steps, state.global_step, info, samples_per_epoch, log_now)
+    if check.stop or save_now:
+        state.step_in_epoch, state.meters = done, loop.logger.meter_state()
     if check.stop:
-        state.step_in_epoch = done
         loop.logger.end_epoch(complete=False)
         raise Preempted(done)
     if save_now:
-        state.step_in_epoch = done
         loop.saver.save_step(state)
+        state.meters = None

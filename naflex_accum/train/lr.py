@@ -1,12 +1,28 @@
 """Learning-rate schedules by optimizer step: open_clip's own ``cosine_lr`` and ``const_lr``.
 
-Invariant: the rate is a pure function of the global optimizer step, so a
-resumed run (which restores the step) follows the uninterrupted schedule.
+Invariant: the rate is a pure function of the schedule position, so a resumed
+run (which restores the step) follows the uninterrupted schedule. At a whole
+step it is open_clip's value; at a fractional one (an epoch resumed at another
+world size goes on from the fraction of the epoch done) it lies on the straight
+line between open_clip's values at the steps either side, so it never leaves
+the range open_clip's curve spans (never above ``--lr``).
 """
+import math
+
+from open_clip_train.scheduler import assign_learning_rate, const_lr, cosine_lr
 
 
 def make_scheduler(optimizer, base_lr: float, warmup: int, total_steps: int, kind: str = "cosine"):
-    """A callable ``scheduler(step)`` that sets every param group's lr and returns it (open_clip's)."""
-    from open_clip_train.scheduler import const_lr, cosine_lr
+    """A callable ``scheduler(position)`` that sets every param group's lr and returns it."""
+    curve = (const_lr if kind == "const" else cosine_lr)(optimizer, base_lr, warmup, total_steps)
 
-    return (const_lr if kind == "const" else cosine_lr)(optimizer, base_lr, warmup, total_steps)
+    def scheduler(position: float) -> float:
+        below = math.floor(position)
+        if position == below:
+            return curve(int(below))
+        low, high = curve(below), curve(below + 1)
+        lr = low + (position - below) * (high - low)
+        assign_learning_rate(optimizer, lr)
+        return lr
+
+    return scheduler

@@ -114,7 +114,8 @@ def build_data(args, world, model, device):
         patch_sizes=tuple(args.naflex_patch_sizes), num_samples=args.train_num_samples,
         num_image_tokens=args.naflex_num_train_image_tokens, accum_freq=args.accum_freq,
         seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size,
-        timeout=args.data_timeout, slots=args.data_slots, image_decode=args.image_decode, **data_options(args))
+        timeout=args.data_timeout, slots=args.data_slots, image_decode=args.image_decode,
+        sample_shuffle_size=args.sample_shuffle_size, **data_options(args))
     train = make_train_loader(cfg, tokenizer, pin_memory=device.type == "cuda")
     val = None
     if args.val_data and world.is_master:
@@ -169,7 +170,8 @@ def _run(args, world, device, claim) -> dict:
     optimizer = build_optimizer(model, args)
     scaler = torch.amp.GradScaler(device.type) if args.precision == "amp" else None
     num_steps = train_data.num_batches // args.accum_freq
-    state = TrainState(task, optimizer, scaler, scheduler=None, lr_steps_per_epoch=num_steps)
+    state = TrainState(task, optimizer, scaler, scheduler=None, lr_steps_per_epoch=num_steps,
+                       data_listing=train_data.index.listing())
     if claim.resume is not None:
         _resume(state, model, claim, args, world)
     # laid out once for the run: a resume at another world size keeps the saved steps per epoch (loop.lr_position)
@@ -187,6 +189,7 @@ def _run(args, world, device, claim) -> dict:
                 saver)
     log.info(f"Run folder {paths.root}: {num_steps} steps/epoch, {train_data.num_samples} samples/epoch, "
              f"world size {world.world_size}" + (f", resumed from {claim.resume}" if claim.resume else ""))
+    log.info(train_data.describe())
     zero_shot = make_zero_shot(args, model, world, device)
 
     def run_evals(epoch: int) -> dict:

@@ -31,7 +31,9 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML run preset (configs/runs/NAME.yaml or a path); flags win")
     d = p.add_argument_group("data")
     d.add_argument("--train-data", default=None, help="webdataset shards: braceexpand patterns joined by '::'")
-    d.add_argument("--train-num-samples", type=int, default=None, help="samples per epoch")
+    d.add_argument("--train-num-samples", type=int, default=None,
+                   help="samples per epoch (default: the data set's, from sizes.json or a count; more than the "
+                        "data set: whole passes, each its own order, and part of one more)")
     d.add_argument("--naflex-num-train-image-tokens", type=int, default=None, help="image tokens per epoch")
     d.add_argument("--val-data", default=None, help="held-out shards for retrieval recall@1/5")
     d.add_argument("--val-seq-len", type=int, default=None, help="eval sequence length (default: largest train one)")
@@ -43,6 +45,10 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     d.add_argument("--data-slots", type=int, default=None,
                    help="slots of the global sample order (a multiple of every world size the run may have; "
                         "default: world size x --workers at the start); kept by a resume inside an epoch")
+    d.add_argument("--sample-shuffle-size", type=int, default=1000,
+                   help="samples shuffled together in each data slot: a window of consecutive reads, never two "
+                        "passes (open_clip's sample shuffle size); memory about this many encoded samples per "
+                        "slot; 0 or 1: shard order within a slot")
     d.add_argument("--image-decode", choices=("scaled", "full"), default="scaled",
                    help="scaled: decode each JPEG at the largest DCT reduction (1/2, 1/4, 1/8) that keeps it at or "
                         "above its NaFlex size, then resize; full: decode every image at full size, then resize "
@@ -230,7 +236,7 @@ def validate(args) -> None:
     check_ints(args, 1, "accum_freq", "epochs", "naflex_max_tokens_per_batch", "naflex_batch_divisor",
                "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
                "val_seq_len", "check_every_n_steps", "data_slots")
-    check_ints(args, 0, "workers", "warmup", "save_frequency", "save_every_n_steps", "keep_last")
+    check_ints(args, 0, "workers", "sample_shuffle_size", "warmup", "save_frequency", "save_every_n_steps", "keep_last")
     if not args.lr > 0:
         raise UsageError(f"--lr must be positive; got {args.lr}")
     if not (args.data_timeout >= 0 and args.data_timeout != float("inf")):

@@ -32,7 +32,9 @@ log = logging.getLogger("naflex_accum")
 SCHEDULE_FLAGS = ("accum_freq", "naflex_max_tokens_per_batch", "naflex_seq_lens", "naflex_seq_len_probs",
                   "naflex_patch_sizes", "naflex_batch_divisor", "train_num_samples",
                   "naflex_num_train_image_tokens", "seed", "dataset_resampled",
-                  "train_data_upsampling_factors")
+                  "train_data_upsampling_factors", "sample_shuffle_size")
+# The sample order a mid-epoch payload's position refers to (data.slots); a payload of another one cannot go on.
+ORDER = 2
 
 
 def schedule_settings(args, world) -> dict:
@@ -75,7 +77,8 @@ def mid_epoch_payload(state, model, args, world, rng_states, states=(None, None)
     payload = epoch_payload(state, model, args, states)
     payload.update(step_in_epoch=state.step_in_epoch, rng_states=rng_states,
                    schedule=schedule_settings(args, world), segment=state.segment.to_dict(),
-                   epoch_samples=state.epoch_samples, epoch_tokens=state.epoch_tokens)
+                   epoch_samples=state.epoch_samples, epoch_tokens=state.epoch_tokens, order=ORDER,
+                   shards=state.data_listing, meters=state.meters or {})
     return payload
 
 
@@ -104,13 +107,30 @@ def check_schedule(saved: Optional[dict], args, world, where: str, step: int, ep
                          f"the saved settings, or from an epoch_K.pt checkpoint")
 
 
-def _saved_segment(payload: dict, where: str, args, world) -> Segment:
+def _check_shards(saved, now, where: str, epoch: int) -> None:
+    """The rest of an epoch is the saved shard list's: another list (or other sizes) would repeat and miss."""
+    if saved is None or now is None or [list(x) for x in saved] == [list(x) for x in now]:
+        return
+    saved_urls, now_urls = [u for u, _ in saved], [u for u, _ in now]
+    gone = [u for u in saved_urls if u not in set(now_urls)]
+    new = [u for u in now_urls if u not in set(saved_urls)]
+    if gone or new:
+        what = f"{len(gone)} shard(s) gone (first {gone[0]!r})" if gone else f"{len(new)} new (first {new[0]!r})"
+    else:
+        changed = [u for (u, a), (_, b) in zip(sorted(saved), sorted(now)) if a != b]
+        what = f"{len(changed)} shard(s) of another size (first {changed[0]!r})" if changed else "another order"
+    raise UsageError(f"{where} was saved inside epoch {epoch} with another --train-data ({what}): the rest of the "
+                     f"epoch needs the saved shards; restore them, or resume from an epoch_K.pt checkpoint")
+
+
+def _saved_segment(payload: dict, where: str, args, world, state_listing=None) -> Segment:
     """The segment a mid-epoch payload was saved in, checked against this run's world size and flags."""
     step_in_epoch, epoch = int(payload["step_in_epoch"]), int(payload["epoch"])
     check_schedule(payload.get("schedule"), args, world, where, step_in_epoch, epoch)
-    if "segment" not in payload:
-        raise UsageError(f"{where} was saved inside epoch {epoch} by a naflex-accum without the global data "
-                         f"order, whose batches this version cannot rebuild; resume from an epoch_K.pt checkpoint")
+    if "segment" not in payload or payload.get("order") != ORDER:
+        raise UsageError(f"{where} was saved inside epoch {epoch} by a naflex-accum with another sample order, "
+                         f"whose batches this version cannot rebuild; resume from an epoch_K.pt checkpoint")
+    _check_shards(payload.get("shards"), state_listing, where, epoch)
     segment = Segment.from_dict(payload["segment"])
     if segment.world_size != world.world_size:
         check_slots(segment.slots, world.world_size, f"{where}: saved at world size {segment.world_size} with "
@@ -130,7 +150,7 @@ def restore(state, model, payload: dict, where: str, args, world) -> None:
     """Load ``payload`` into the model and ``state``; for a mid-epoch payload, where the epoch stopped
     (``state.segment``), and this rank's random state when the world size is the saved one."""
     step_in_epoch, epoch = int(payload.get("step_in_epoch", 0)), int(payload["epoch"])
-    segment = _saved_segment(payload, where, args, world) if step_in_epoch else None
+    segment = _saved_segment(payload, where, args, world, state.data_listing) if step_in_epoch else None
     fsdp.load_model_state(model, check_fits(model, payload["state_dict"], where, args.model))
     try:
         saved = payload["optimizer"]
@@ -149,6 +169,7 @@ def restore(state, model, payload: dict, where: str, args, world) -> None:
     state.segment, state.rng_state = segment, None
     if segment is not None:
         state.epoch_samples, state.epoch_tokens = int(payload["epoch_samples"]), int(payload["epoch_tokens"])
+        state.meters = payload.get("meters") or None
         if segment.world_size == world.world_size:
             state.rng_state = payload["rng_states"][world.rank]
     inside = f", step {step_in_epoch} of epoch {epoch}" if step_in_epoch else ""

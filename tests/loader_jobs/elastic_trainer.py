@@ -1,11 +1,11 @@
 """``naflex-accum train ARGS`` recording, per rank, every batch's sample keys and every learning rate set.
 
-    RECORD=FILE_PREFIX [STOP_AT=EPOCH:INDEX] [STOP_FILE=PATH] [SHUFFLE_BUFFER=N] python elastic_trainer.py ARGS...
+    RECORD=FILE_PREFIX [STOP_AT=EPOCH:INDEX] [STOP_FILE=PATH] python elastic_trainer.py ARGS...
 
 Writes FILE_PREFIX-rank<R>.json: ``["batch", epoch, index, keys]`` for each batch the loop
 took and ``["lr", position, lr]`` for each rate set. With STOP_AT, rank 0 writes STOP_FILE
-(the run folder's STOP) when it takes that batch, so the run stops after its optimizer step.
-SHUFFLE_BUFFER: samples per slot's shuffle buffer (the trainer's is 1000, more than these tests' data).
+(the run folder's STOP) when it takes that batch (its index in the segment the run goes through), so the
+run stops after its optimizer step.
 """
 import json
 import os
@@ -20,13 +20,7 @@ from naflex_accum.train import main
 torch.set_num_threads(1)
 rank, records = int(os.environ.get("RANK", "0")), []
 stop_at = [int(x) for x in os.environ["STOP_AT"].split(":")] if os.environ.get("STOP_AT") else None
-real_init, real_iter, real_scheduler = loader.TrainLoader.__init__, loader.TrainLoader.iter_meta, main.make_scheduler
-
-
-def init(self, cfg, *args, **kwargs):
-    if os.environ.get("SHUFFLE_BUFFER"):
-        cfg.shuffle_buffer = int(os.environ["SHUFFLE_BUFFER"])
-    real_init(self, cfg, *args, **kwargs)
+real_iter, real_scheduler = loader.TrainLoader.iter_meta, main.make_scheduler
 
 
 def iter_meta(self):
@@ -47,7 +41,7 @@ def make_scheduler(*args, **kwargs):
     return recorded
 
 
-loader.TrainLoader.__init__, loader.TrainLoader.iter_meta, main.make_scheduler = init, iter_meta, make_scheduler
+loader.TrainLoader.iter_meta, main.make_scheduler = iter_meta, make_scheduler
 
 from naflex_accum import cli  # noqa: E402
 

@@ -1,0 +1,125 @@
+"""How many samples each training shard holds: the numbers every slot's share of an epoch is cut from.
+
+Invariant: ``shard_sizes`` returns one count per shard URL, the same in every
+process of a run, without reading a sample twice per machine: from open_clip's
+``sizes.json`` beside the shards where it lists every shard of a folder, else
+from a count of each shard's samples (its key groups, ``samples.count_samples``)
+kept in a cache file (``cache_dir()``) and reused while the file's size and
+modification time are unchanged (``pipe:`` and remote URLs: while the URL is).
+A count reads every tar header of a local shard (seeking past the data) and the
+whole stream of a ``pipe:`` or remote one. A cache that cannot be written costs a
+count at each start, with one warning, never the run.
+"""
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .samples import count_samples
+from .shards import local_path
+
+log = logging.getLogger("naflex_accum.data")
+SIZES_FILE = "sizes.json"
+
+
+def cache_dir() -> str:
+    """``$NAFLEX_ACCUM_CACHE``, else ``$XDG_CACHE_HOME/naflex-accum``, else ``~/.cache/naflex-accum``."""
+    explicit = os.environ.get("NAFLEX_ACCUM_CACHE")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "naflex-accum")
+
+
+def _listed(urls: Sequence[str]) -> Dict[str, int]:
+    """``{url: count}`` for the local shards their folder's ``sizes.json`` lists (open_clip's convention)."""
+    folders: Dict[str, dict] = {}
+    out = {}
+    for url in urls:
+        path = local_path(url)
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder not in folders:
+            try:
+                with open(os.path.join(folder, SIZES_FILE)) as f:
+                    listing = json.load(f)
+            except (OSError, ValueError):
+                listing = {}
+            folders[folder] = listing if isinstance(listing, dict) else {}
+        count = folders[folder].get(os.path.basename(path))
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            out[url] = count
+    return out
+
+
+def listed_total(urls: Sequence[str]) -> Optional[int]:
+    """Samples in ``urls`` by their folders' ``sizes.json``; None unless it lists every one (a local shard)."""
+    listed = _listed(urls)
+    return sum(listed.values()) if len(listed) == len(urls) else None
+
+
+def _stamp(url: str) -> Optional[Tuple[int, int]]:
+    path = local_path(url)
+    if path is None:
+        return None
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns
+
+
+def _cache_file(urls: Sequence[str]) -> str:
+    digest = hashlib.sha256("\n".join(urls).encode("utf-8", "surrogateescape")).hexdigest()[:24]
+    return os.path.join(cache_dir(), f"sizes-{digest}.json")
+
+
+def _read_cache(path: str) -> Dict[str, list]:
+    try:
+        with open(path) as f:
+            cached = json.load(f)
+        return cached if isinstance(cached, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: str, entries: Dict[str, list]) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".sizes-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f)
+        os.replace(tmp, path)  # several ranks may count at once: each writes whole, the last one stays
+    except OSError as exc:
+        log.warning(f"cannot cache shard sizes in {path} ({exc}); set NAFLEX_ACCUM_CACHE to a writable folder "
+                    f"to count them once")
+
+
+def shard_sizes(urls: Sequence[str], flag: str = "--train-data") -> List[int]:
+    """Samples in each shard of ``urls`` (see the module docstring); a shard that cannot be read to its end
+    counts the samples before the damage, with a warning."""
+    listed = _listed(urls)
+    missing = [url for url in urls if url not in listed]
+    if not missing:
+        return [listed[url] for url in urls]
+    path = _cache_file(missing)
+    cached, counted, started = _read_cache(path), {}, time.perf_counter()
+    for url in missing:
+        stamp = _stamp(url)
+        stamp = list(stamp) if stamp else None
+        entry = cached.get(url)
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == stamp and isinstance(entry[1], int):
+            continue
+        count, problem = count_samples(url)
+        counted[url] = count
+        if problem is None:
+            cached[url] = [stamp, count]
+        else:  # not cached: a pipe that failed once may work the next time
+            log.warning(f"{flag}: shard {url} cannot be read past its sample {count} ({problem}); its "
+                        f"{count} samples before that are used")
+    if counted:
+        log.info(f"{flag}: counted the samples of {len(counted)} shard(s) without a {SIZES_FILE} in "
+                 f"{time.perf_counter() - started:.1f} s; kept in {path} for the next start")
+        _write_cache(path, {url: cached[url] for url in missing if url in cached})
+    return [listed[url] if url in listed else counted[url] if url in counted else cached[url][1] for url in urls]
