@@ -29,8 +29,8 @@ again, zeroed, on the next step, which measured here 0.5 to 10 s of kernel time
 per 12 s step, varying with the allocator's state rather than with the step.
 The header prints the page faults left in the timed steps (``--system-malloc``
 times with glibc's defaults).
-``*-older`` are our steps in the previous order (every microbatch replayed,
-``reuse_last_graph = False``): today's step against the new one.
+``*-older`` are our steps in the older order of work (every microbatch cached, then every one replayed:
+``naflex_accum.testing.older_order``), against the core step, whose last caching forward serves as its replay.
 
     python benchmarks/bench_accum.py             # both settings, k = 2 4 8, 5 / 15 repeats, memory
     python benchmarks/bench_accum.py --quick     # small models, k = 2 4, 1 repeat: a smoke run
@@ -99,8 +99,8 @@ def load_upstream(stand_in: bool, snapshot: Path):
         from naflex_accum.testing.bugs import upstream_style_step
         return upstream_style_step, "upstream-style stand-in (naflex_accum.testing.bugs; no snapshot)"
     sys.path.insert(0, src)
-    from open_clip_train.train import _train_step_eager
     import open_clip
+    from open_clip_train.train import _train_step_eager
     return _train_step_eager, f"open_clip_train.train._train_step_eager from {src} (open_clip {open_clip.__version__})"
 
 
@@ -158,10 +158,10 @@ def split(batch, k):
 
 def steps(upstream_step):
     """variant -> step function; ``*-older``: our modes in the previous order (every microbatch replayed)."""
-    from naflex_accum import CachedLossStep, ReplayStep, replay_step, train_step_eager
+    from naflex_accum import replay_step, train_step_eager
+    from naflex_accum.testing.older_order import OlderCachedLossStep, OlderReplayStep
 
-    older = {name: type(f"Older{cls.__name__}", (cls,), {"reuse_last_graph": False})()
-             for name, cls in (("replay-older", ReplayStep), ("default-older", CachedLossStep))}
+    older = {"replay-older": OlderReplayStep(), "default-older": OlderCachedLossStep()}
     return {"full": upstream_step, "upstream": upstream_step, "replay": replay_step, "default": train_step_eager,
             **older}
 

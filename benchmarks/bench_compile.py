@@ -28,7 +28,7 @@ def build(model: str, compiled: bool, seq_lens):
 
 
 def windows(seq_lens, budget: int, count: int, net):
-    from naflex_accum.audit import WindowSpec, random_window
+    from naflex_accum.upstream.audit import WindowSpec, random_window
 
     spec = WindowSpec(context_length=net.context_length, vocab_size=net.vocab_size)
     out = []
@@ -50,7 +50,7 @@ def run_window(step, task, optimizer, window, args) -> float:
 def main():
     import torch
 
-    from naflex_accum.modes import get_step
+    from naflex_accum.accum.modes import get_step
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="naflex-tiny")

@@ -90,7 +90,7 @@ def decoders_table(data, count=600, repeats=3):
 
     from naflex_accum.data.images import decode_rgb
     from naflex_accum.data.samples import tar_members
-    from naflex_accum.naflex import resize_for_seq, size_for_seq
+    from naflex_accum.data.patches import resize_for_seq, size_for_seq
 
     blobs = [d for n, d in tar_members(next(iter(braceexpand(data)))) if n.endswith((".jpg", ".png"))][:count]
     seq_lens = [SEQ_LENS[k % len(SEQ_LENS)] for k in range(len(blobs))]

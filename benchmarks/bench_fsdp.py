@@ -34,8 +34,8 @@ def _bytes(tensors) -> int:
 def child(model_name: str, wrap: str, out: str) -> None:
     import torch
 
-    from naflex_accum.audit import WindowSpec, random_window
-    from naflex_accum.modes import get_step
+    from naflex_accum.upstream.audit import WindowSpec, random_window
+    from naflex_accum.accum.modes import get_step
     from naflex_accum.train.distributed import init_distributed
     from naflex_accum.train.main import build_optimizer, build_task
     from naflex_accum.train.params import parse_args

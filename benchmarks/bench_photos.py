@@ -163,7 +163,7 @@ def pixels(data) -> bool:
     from naflex_accum.data.decode import dct_factor, decode_for_seq
     from naflex_accum.data.images import inspect
     from naflex_accum.data.samples import tar_members
-    from naflex_accum.naflex import IMAGE_MEAN, IMAGE_STD, size_for_seq
+    from naflex_accum.data.patches import IMAGE_MEAN, IMAGE_STD, size_for_seq
 
     torch.set_num_threads(1)
     blobs = [d for url in braceexpand(data) for n, d in tar_members(url) if n.endswith(".jpg")]

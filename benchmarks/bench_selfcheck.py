@@ -34,14 +34,14 @@ CHILD = r"""
 import json, statistics, sys, time
 import torch
 import naflex_accum
-from naflex_accum import selfcheck
-from naflex_accum.probe import probe
+from naflex_accum.upstream import selfcheck
+from naflex_accum.upstream.probe import probe
 import open_clip_train.train as train
 from open_clip_train.params import parse_args
 
 repeats, kinds = int(sys.argv[1]), json.loads(sys.argv[2])
 naflex_accum.install()
-original = naflex_accum.patch.original_step()
+original = naflex_accum.upstream.patch.original_step()
 out = {}
 for kind, extra in kinds.items():
     args = parse_args(["--accum-freq", "2", "--naflex-loss-scale", "linear", "--batch-size", "16", *extra])

@@ -131,7 +131,7 @@ def child_ours(spec):
     loader = _our_loader(spec)
     _warm(spec.get("decode", "scaled"))
 
-    from naflex_accum.naflex import normalize_patches
+    from naflex_accum.data.patches import normalize_patches
 
     def epoch(index):
         keys = set()

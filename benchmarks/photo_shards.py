@@ -104,7 +104,7 @@ def decoders(num: int) -> None:
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms.v2.functional import resize_image
 
-    from naflex_accum.naflex import size_for_seq
+    from naflex_accum.data.patches import size_for_seq
 
     torch.set_num_threads(1)
 

@@ -6,10 +6,10 @@ accumulation mode (``cached-loss``, the window loss once per window), the step t
 once per microbatch, as upstream). Importing this package changes nothing in open_clip or timm:
 patching happens only when ``install()`` or ``patched()`` is called.
 """
-from .cached_loss import CachedLossStep, cached_loss_step
-from .replay import ReplayStep, replay_step
-from .scales import window_loss_scale
-from .step import AccumulationStep
+from .accum.cached_loss import CachedLossStep, cached_loss_step
+from .accum.replay import ReplayStep, replay_step
+from .accum.scales import window_loss_scale
+from .accum.step import AccumulationStep
 
 # THE drop-in: the default mode's step itself (so its name, cached_loss_step, says which mode it is).
 train_step_eager = cached_loss_step
@@ -25,6 +25,6 @@ __all__ = ["window_loss_scale", "train_step_eager", "cached_loss_step", "replay_
 def __getattr__(name):
     # The patch layer is imported on first use; importing it patches nothing.
     if name in _PATCH_API:
-        from . import patch
+        from .upstream import patch
         return getattr(patch, name)
     raise AttributeError(f"module 'naflex_accum' has no attribute {name!r}")

@@ -9,6 +9,7 @@ import importlib
 import sys
 from typing import List, Optional
 
+from . import __version__
 from .errors import UsageError
 
 # name -> (module under naflex_accum.commands, one-line help)
@@ -58,7 +59,6 @@ def entry(argv: Optional[List[str]] = None) -> int:
 
 
 def _version() -> str:
-    from . import __version__
     return f"naflex-accum {__version__}"
 
 

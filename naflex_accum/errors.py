@@ -1,7 +1,10 @@
-"""User-facing errors.
+"""User-facing errors and the generic validators every setting goes through.
 
-Invariant: a ``UsageError`` message is one line that names the flag or file at
-fault and what would be valid; the CLI prints it and exits 2, no traceback.
+Invariant: every error a user can meet is one of these classes and its message
+is one line: a ``UsageError`` names the flag or file at fault and what would be
+valid (the CLI prints it and exits 2, no traceback); a ``StepError`` (and its
+``ContractError``) is the accumulation step's refusal; ``PatchError`` and
+``SelfCheckFailed`` the runner's. Nothing here imports the rest of the package.
 ``OneLineParser`` makes argparse's own errors (unknown flag, bad choice) follow
 the same rule instead of dumping the whole usage text; ``check_int`` is the one
 integer validator every setting goes through.
@@ -9,11 +12,43 @@ integer validator every setting goes through.
 import argparse
 from typing import Optional
 
-from .scales import is_int_at_least
-
 
 class UsageError(ValueError):
-    pass
+    """A bad setting, flag or input file, in one line (the CLI prints it and exits 2)."""
+
+
+class StepError(ValueError):
+    """A bad setting or input that the accumulation step refuses, in one line.
+
+    The step's own refusals (and the contract's, ``ContractError``) are of this class, so a runner
+    can print them as one line where a traceback from inside the step would otherwise reach the user.
+    """
+
+
+class ContractError(StepError):
+    """A task or upstream loop that does not speak the contract the step was installed for (one line)."""
+
+
+class PatchError(RuntimeError):
+    """The installed open_clip is not one the patch can be installed on (one line; ``upstream.patch.patch_error``
+    words it)."""
+
+    def __init__(self, message: str, version: str, found: str, expected: str, missing: bool):
+        self.version, self.expected, self.found, self.missing = version, expected, found, missing
+        super().__init__(message)
+
+
+class SelfCheckFailed(UsageError):
+    """The installed step failed its audit on this run's task (one line; the runner exits 2)."""
+
+
+def is_int_at_least(value, minimum: int) -> bool:
+    # bool is an int subclass; a True batch size is a bug, not a 1.
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def is_positive_int(value) -> bool:
+    return is_int_at_least(value, 1)
 
 
 class OneLineParser(argparse.ArgumentParser):

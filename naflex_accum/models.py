@@ -12,12 +12,16 @@ adds a few named sizes to timm's registry; it runs only when called (by
 ``create_model`` here), never at import.
 """
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
 from typing import Optional
 
 import torch.nn as nn
+from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+from timm.models import build_model_with_cfg, is_model, register_model
+from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg, checkpoint_filter_fn
 
 CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 
@@ -35,24 +39,31 @@ default_cfgs: dict = {}
 
 
 def register_timm_models() -> None:
-    """Add the NaFlexVit sizes above to timm's registry (idempotent)."""
-    from timm.models import is_model
-    from timm.models._registry import register_model
-    from timm.models.naflexvit import NaFlexVitCfg, _cfg, _create_naflexvit
-
+    """Add the NaFlexVit sizes above to timm's registry (idempotent), through timm's public API."""
     for name, fields in TIMM_SIZES.items():
         if is_model(name):
             continue
         # register_model reads the entry's default config from its module's
         # ``default_cfgs``; without one timm warns on every create.
-        default_cfgs[name] = _cfg(input_size=(3, 224, 224))
+        default_cfgs[name] = dict(url="", num_classes=1000, input_size=(3, 224, 224), pool_size=None, crop_pct=1.0,
+                                  interpolation="bicubic", mean=IMAGENET_INCEPTION_MEAN, std=IMAGENET_INCEPTION_STD,
+                                  first_conv="embeds.proj", classifier="head", license="apache-2.0")
 
         def factory(pretrained: bool = False, _name=name, _fields=fields, **kwargs):
-            return _create_naflexvit(_name, pretrained=pretrained, cfg=NaFlexVitCfg(**_fields), **kwargs)
+            return _build_naflexvit(_name, pretrained, NaFlexVitCfg(**_fields), **kwargs)
 
         factory.__name__ = name
         factory.__module__ = __name__
         register_model(factory)
+
+
+def _build_naflexvit(name: str, pretrained: bool, cfg: NaFlexVitCfg, out_indices=3, **kwargs) -> NaFlexVit:
+    """A NaFlexVit as timm builds its own (``build_model_with_cfg``); config fields among ``kwargs`` override
+    ``cfg``'s."""
+    names = {f.name for f in dataclasses.fields(NaFlexVitCfg)}
+    cfg = dataclasses.replace(cfg, **{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+    return build_model_with_cfg(NaFlexVit, name, pretrained, pretrained_filter_fn=checkpoint_filter_fn, cfg=cfg,
+                                feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs)
 
 
 def list_models():

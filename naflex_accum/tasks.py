@@ -12,8 +12,9 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .step import total_loss
-from .window import is_naflex_batch
+from .accum.step import total_loss
+from .accum.window import is_naflex_batch
+from .data.patches import normalize_patches
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -75,7 +76,6 @@ class ContrastiveTask(nn.Module):
             else:
                 out[key] = value
         if is_naflex_batch(out) and out["image"]["patches"].dtype == torch.uint8:
-            from .naflex import normalize_patches
             out["image"] = normalize_patches(out["image"], *(self.image_stats or ()), dtype=input_dtype)
         return out
 

@@ -21,5 +21,5 @@ from upstream_real import demo_shards, pinned, upstream_src  # noqa: E402,F401
 
 @pytest.fixture
 def make_task():
-    from naflex_accum.audit import default_task_factory
+    from naflex_accum.upstream.audit import default_task_factory
     return default_task_factory

@@ -78,16 +78,23 @@ def signal_at(monkeypatch, signum, microbatch: int):
     real = main.select_step
     calls = {"n": 0}
 
-    def select(args):
-        step = real(args)
+    class Signalling:
+        """The run's step, sending the signal on its ``microbatch``-th call; the loop logs its ``window_scale``."""
 
-        def wrapped(*a, **kw):
+        def __init__(self, step):
+            self.step = step
+
+        def __call__(self, *a, **kw):
             calls["n"] += 1
             if calls["n"] == microbatch:
                 os.kill(os.getpid(), signum)
-            return step(*a, **kw)
-        return wrapped
-    monkeypatch.setattr(main, "select_step", select)
+            return self.step(*a, **kw)
+
+        @property
+        def window_scale(self):
+            return self.step.window_scale
+
+    monkeypatch.setattr(main, "select_step", lambda args: Signalling(real(args)))
     return calls
 
 

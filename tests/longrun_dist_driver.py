@@ -46,17 +46,27 @@ real_select = train_main.select_step
 rank = int(os.environ["RANK"])
 
 
-def select(args):
-    step = real_select(args)
+class Counted:
+    """The run's step, counting its calls and steps; ``window_scale`` is the step's own (the loop logs it)."""
 
-    def wrapped(*a, **kw):
+    def __init__(self, step):
+        self.step = step
+
+    def __call__(self, *a, **kw):
         counts["microbatches"] += 1
         if rank == int(os.environ.get("STOP_RANK", -1)) and counts["microbatches"] == int(os.environ["STOP_MICROBATCH"]):
             os.kill(os.getpid(), signal.SIGUSR1)
-        result = step(*a, **kw)
+        result = self.step(*a, **kw)
         counts["steps"] += result is not None
         return result
-    return wrapped
+
+    @property
+    def window_scale(self):
+        return self.step.window_scale
+
+
+def select(args):
+    return Counted(real_select(args))
 
 
 train_main.select_step = select

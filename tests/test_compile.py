@@ -87,9 +87,9 @@ def test_three_sequence_lengths_compile_no_more_than_twice_one(setup, monkeypatc
 
 def test_compiled_accumulation_equals_a_compiled_full_batch_backward_with_the_same_masks():
     from naflex_accum import cached_loss_step, replay_step
-    from naflex_accum.audit import accumulated_grads, compare, full_batch_grads, random_window
+    from naflex_accum.upstream.audit import accumulated_grads, compare, full_batch_grads, random_window
     from naflex_accum.models import create_model
-    from naflex_accum.scales import window_loss_scale
+    from naflex_accum.accum.scales import window_loss_scale
     from naflex_accum.tasks import create_task
     from naflex_accum.train.compile import compile_model
 

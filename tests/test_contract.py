@@ -11,11 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from naflex_accum.audit import accumulated_grads, audit_case, random_window
-from naflex_accum.cached_loss import CachedLossStep
-from naflex_accum.contract import LOSSES, REPORT, ContractError, split_result, task_result
-from naflex_accum.replay import ReplayStep
-from naflex_accum.scales import StepError
+from naflex_accum.upstream.audit import accumulated_grads, audit_case, random_window
+from naflex_accum.accum.cached_loss import CachedLossStep
+from naflex_accum.accum.contract import LOSSES, REPORT, split_result, task_result
+from naflex_accum.errors import ContractError
+from naflex_accum.accum.replay import ReplayStep
+from naflex_accum.errors import StepError
 
 STEPS = {"cached-loss": CachedLossStep, "replay": ReplayStep}
 

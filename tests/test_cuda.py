@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from naflex_accum import cached_loss_step, replay_step
-from naflex_accum.audit import audit_case, default_task_factory, random_window, to_device
+from naflex_accum.upstream.audit import audit_case, default_task_factory, random_window, to_device
 from naflex_accum.testing.bugs import bug_step
 from test_precision import CountingSGD
 
@@ -113,7 +113,7 @@ def test_cuda_fp16_grad_scaler_equivalence(accum):
 def test_cuda_normalises_uint8_patches_as_the_cpu(flatten):
     # The loader hands uint8 patches over and the task normalises them on the device: the GPU's kernels
     # (one pass, a mask for the padding) must give the CPU's per-image floats, padding exactly zero.
-    from naflex_accum.naflex import normalize_patches, patchify_images
+    from naflex_accum.data.patches import normalize_patches, patchify_images
     from naflex_accum.tasks import ContrastiveTask
 
     g = torch.Generator().manual_seed(0)

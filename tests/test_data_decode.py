@@ -11,7 +11,7 @@ from PIL import Image
 
 from naflex_accum.data import decode, images
 from naflex_accum.errors import UsageError
-from naflex_accum.naflex import collate_images, resize_for_seq, size_for_seq
+from naflex_accum.data.patches import collate_images, resize_for_seq, size_for_seq
 
 pytest.importorskip("simplejpeg")
 
@@ -197,7 +197,7 @@ def test_pipeline_counts_the_same_undecodable_samples_in_both_modes():
 
     blobs = [encode(BIG, quality=90)] + [BAD[k]() for k in sorted(BAD)] + [encode(photo(300, 500, 3), quality=80)]
     counts = {}
-    for mode in decode.MODES:
+    for mode in decode.DECODE_MODES:
         report = Corruption()
         samples = iter(RawSample(f"k{i}", "shard.tar", b, "a caption") for i, b in enumerate(blobs))
         got, _, keys = decode_samples(samples, len(blobs), 16, 16, report, "--train-data", mode)

@@ -172,7 +172,7 @@ def textured(h, w, fmt, generator):
 
 def test_torchvision_path_within_a_255th_of_pillow_on_demo_images(tmp_path):
     """Batches from the pipeline's decode/resize/collate vs Pillow's decode + bicubic resize (the reference)."""
-    from naflex_accum.naflex import (IMAGE_STD, collate_images, collate_uint8_patches, pil_to_patches,
+    from naflex_accum.data.patches import (IMAGE_STD, collate_images, collate_uint8_patches, pil_to_patches,
                                      resize_for_seq)
 
     blobs = [d for p in shard_paths(demo(tmp_path, num=64, val=0, shard_size=64).train)
@@ -251,7 +251,7 @@ def test_tar_reader_raises_after_the_members_before_the_damage():
 def test_size_for_seq_is_timms():
     from timm.data.naflex_transforms import get_image_size_for_seq
 
-    from naflex_accum.naflex import size_for_seq
+    from naflex_accum.data.patches import size_for_seq
     r = random.Random(0)
     cases = [((r.randint(1, 3000), r.randint(1, 3000)), r.choice((8, 14, 16, 32)), r.choice((1, 16, 36, 64, 256, 576)))
              for _ in range(3000)] + [((h, w), 16, s) for h in range(1, 48, 3) for w in range(1, 48, 3) for s in (1, 4)]

@@ -170,7 +170,7 @@ def test_pil_path_matches_torch_path_layout(flatten):
     import numpy as np
     from PIL import Image
 
-    from naflex_accum.naflex import collate_patches, collate_uint8_patches, image_to_patches, pil_to_patches
+    from naflex_accum.data.patches import collate_patches, collate_uint8_patches, image_to_patches, pil_to_patches
 
     rng = np.random.default_rng(0)
     arrays = [(rng.random((h, w, 3)) * 60 + np.linspace(0, 180, w)[None, :, None]).astype(np.uint8)
@@ -188,7 +188,7 @@ def test_pil_path_matches_torch_path_layout(flatten):
 def test_the_task_normalises_the_loaders_uint8_patches(shards, workers, patch_sizes):
     # The loader hands over uint8 patches; the task's prepare_batch (on the training device) must make exactly the
     # normalised float batch, padding exactly zero (not -0.0), in any dtype asked.
-    from naflex_accum.naflex import IMAGE_MEAN, IMAGE_STD
+    from naflex_accum.data.patches import IMAGE_MEAN, IMAGE_STD
     from naflex_accum.tasks import ContrastiveTask
 
     seq_lens = (16, 36) if len(patch_sizes) == 1 else (16, 64)

@@ -7,13 +7,14 @@ error <= 1e-5), with logit_scale/logit_bias ratio 1.0.
 import pytest
 
 from naflex_accum import CachedLossStep, ReplayStep, cached_loss_step, replay_step
-from naflex_accum.audit import AUDIT_SPLITS, audit_case, default_task_factory
 from naflex_accum.testing.bugs import bug_step
+from naflex_accum.testing.older_order import OlderCachedLossStep, OlderReplayStep
+from naflex_accum.upstream.audit import AUDIT_SPLITS, audit_case, default_task_factory
 
 ACCUM = {"replay": replay_step, "cached-loss": cached_loss_step}
 STEP_MODES = tuple(ACCUM)
 
-MODES = ("none", "linear", "sqrt")
+LOSS_SCALES = ("none", "linear", "sqrt")
 LOSSES = ("clip", "siglip")
 UNEVEN = ((1, 2), (2, 1), (3, 5), (5, 3), (1, 2, 5), (5, 2, 1))
 
@@ -28,7 +29,7 @@ def assert_exact(r, tol=1e-5):
 
 
 @pytest.mark.parametrize("split", AUDIT_SPLITS, ids=str)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOSS_SCALES)
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("accum", ACCUM)
 def test_full_batch_equivalence(make_task, accum, loss, mode, split):
@@ -36,7 +37,7 @@ def test_full_batch_equivalence(make_task, accum, loss, mode, split):
 
 
 @pytest.mark.parametrize("split", AUDIT_SPLITS, ids=str)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOSS_SCALES)
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("accum", ACCUM)
 def test_full_batch_equivalence_stochastic(make_task, accum, loss, mode, split):
@@ -44,18 +45,11 @@ def test_full_batch_equivalence_stochastic(make_task, accum, loss, mode, split):
     assert_exact(audit_case(ACCUM[accum], make_task, loss, mode, split, stochastic=True))
 
 
-class ReplayEveryMicrobatch(ReplayStep):
-    reuse_last_graph = False
-
-
-class CachedLossReplayEveryMicrobatch(CachedLossStep):
-    reuse_last_graph = False
-
-
 @pytest.mark.parametrize("split", ((1, 2), (5, 2, 1)), ids=str)
-@pytest.mark.parametrize("step", (ReplayEveryMicrobatch(), CachedLossReplayEveryMicrobatch()), ids=type)
+@pytest.mark.parametrize("step", (OlderReplayStep(), OlderCachedLossStep()), ids=type)
 def test_older_order_stays_exact(make_task, step, split):
-    """``reuse_last_graph = False`` (every microbatch replayed) is kept for the benchmark: still exact."""
+    """The older order of work (``testing.older_order``: every microbatch replayed), which the benchmark
+    compares against, is exact too."""
     assert_exact(audit_case(step, make_task, "siglip", "linear", split, stochastic=True))
 
 
@@ -73,7 +67,7 @@ def test_grad_checkpointing_equivalence(accum, loss, split):
 
 def test_grad_checkpointing_reaches_both_towers():
     """The switch is the model's own: timm NaFlexVit's blocks and open_clip's text blocks run twice per backward."""
-    from naflex_accum.audit import random_window
+    from naflex_accum.upstream.audit import random_window
 
     task = checkpointed_task("clip", True)
     model = task.trainable_module
@@ -115,7 +109,7 @@ def test_per_replay_scale_bug_is_caught(make_task, accum, loss, mode, split):
 
 
 @pytest.mark.parametrize("split", ((1, 2), (4, 4), (1, 2, 5)), ids=str)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOSS_SCALES)
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize("accum", STEP_MODES)
 def test_logit_k_times_bug_is_caught(make_task, accum, loss, mode, split):

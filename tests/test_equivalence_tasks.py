@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from naflex_accum import cached_loss_step, replay_step
-from naflex_accum.audit import GradProbe, audit_case, default_task_factory, named_params, random_window
-from naflex_accum.testing.tasks import make_mutating_task
-from test_equivalence import ACCUM, MODES, assert_exact
+from naflex_accum.upstream.audit import GradProbe, audit_case, default_task_factory, named_params, random_window
+from naflex_accum.testing.mutating_task import make_mutating_task
+from test_equivalence import ACCUM, LOSS_SCALES, assert_exact
 
 SPLITS = ((1, 2), (2, 1), (3, 5), (1, 2, 5), (5, 2, 1))
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=str)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOSS_SCALES)
 @pytest.mark.parametrize("accum", ACCUM)
 def test_coca_equivalence(accum, mode, split):
     assert_exact(audit_case(ACCUM[accum], default_task_factory, "coca", mode, split))
@@ -45,7 +45,7 @@ def test_coca_with_a_logit_bias_the_loss_drops(accum):
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=str)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOSS_SCALES)
 @pytest.mark.parametrize("loss", ("clip", "siglip"))
 @pytest.mark.parametrize("accum", ACCUM)
 def test_mutating_task_equivalence(accum, loss, mode, split):

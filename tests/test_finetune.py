@@ -176,8 +176,8 @@ def test_locked_parameters_stay_bit_identical_over_a_run(shards, tmp_path):
 ])
 def test_accumulation_stays_exact_for_the_trainable_parameters(mode, loss, locks):
     """Raw gradients of the trainable parameters: accumulated over a split window == one full-batch backward."""
-    from naflex_accum.audit import audit_case, default_task_factory
-    from naflex_accum.modes import get_step
+    from naflex_accum.upstream.audit import audit_case, default_task_factory
+    from naflex_accum.accum.modes import get_step
     from naflex_accum.tasks import unwrap
     from naflex_accum.train.finetune import lock_image_tower, lock_text_tower
 
@@ -207,7 +207,7 @@ def test_force_patch_dropout_overrides_the_config():
 
 
 def test_grad_checkpointing_uses_the_models_switch_and_keeps_gradients():
-    from naflex_accum.audit import random_batch
+    from naflex_accum.upstream.audit import random_batch
     from naflex_accum.tasks import create_task
 
     plain, ckpt = build_model(), build_model("--grad-checkpointing")

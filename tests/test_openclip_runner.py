@@ -12,7 +12,7 @@ import types
 import pytest
 
 from naflex_accum import cli, openclip
-from naflex_accum.patch import is_ours
+from naflex_accum.upstream.patch import is_ours
 from upstream_stand_in import NAME, renamed_param_step
 
 ARGS = ["--use-naflex", "--accum-freq", "4", "--naflex-loss-scale", "linear", "--batch-size=256",
@@ -160,7 +160,7 @@ def test_run_folder_records_the_fix_and_its_mode_at_warning(stand_in, upstream_t
 
 
 def test_a_step_refusal_inside_upstreams_loop_is_one_line(stand_in, upstream_train, monkeypatch, capsys):
-    from naflex_accum.contract import ContractError
+    from naflex_accum.errors import ContractError
 
     module = types.ModuleType("open_clip_train.main")
 

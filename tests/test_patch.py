@@ -12,9 +12,9 @@ import textwrap
 import pytest
 
 import naflex_accum
-from naflex_accum import patch
-from naflex_accum.audit import audit_case
-from naflex_accum.patch import EXPECTED, PatchError, install, is_installed, patched, uninstall
+from naflex_accum.upstream import patch
+from naflex_accum.upstream.audit import audit_case
+from naflex_accum.upstream.patch import EXPECTED, PatchError, install, is_installed, patched, uninstall
 from upstream_stand_in import NAME, extra_param_step, renamed_param_step, through_module, varargs_step
 
 
@@ -26,7 +26,7 @@ def test_lazy_exports_are_the_patch_api():
 def test_importing_the_package_patches_and_imports_nothing_upstream():
     code = textwrap.dedent("""
         import sys
-        import naflex_accum, naflex_accum.patch
+        import naflex_accum, naflex_accum.upstream.patch
         assert not naflex_accum.is_installed()
         assert "open_clip_train.train" not in sys.modules, "import pulled in open_clip_train"
         print("clean")
@@ -151,7 +151,7 @@ def test_patched_refuses_like_install(upstream_train):
 def test_logs_once_on_rank_zero(stand_in, upstream_train, monkeypatch, caplog):
     monkeypatch.setattr(patch, "_announced", False)
     monkeypatch.setenv("RANK", "0")
-    caplog.set_level(logging.INFO, logger="naflex_accum.patch")
+    caplog.set_level(logging.INFO, logger="naflex_accum.upstream.patch")
     for _ in range(3):
         install()
         install()
@@ -163,7 +163,7 @@ def test_logs_once_on_rank_zero(stand_in, upstream_train, monkeypatch, caplog):
 def test_logs_nothing_on_other_ranks(stand_in, upstream_train, monkeypatch, caplog):
     monkeypatch.setattr(patch, "_announced", False)
     monkeypatch.setenv("RANK", "3")
-    caplog.set_level(logging.DEBUG, logger="naflex_accum.patch")
+    caplog.set_level(logging.DEBUG, logger="naflex_accum.upstream.patch")
     install()
     assert not [r for r in caplog.records if "replaced" in r.getMessage()]
 
@@ -200,7 +200,7 @@ def test_is_installed_does_not_import_open_clip(monkeypatch):
 @pytest.fixture
 def step_calls(monkeypatch):
     """Replace both mode steps by recorders, so a test sees which one the patched function calls."""
-    from naflex_accum import cached_loss, replay
+    from naflex_accum.accum import cached_loss, replay
 
     calls = []
     monkeypatch.setattr(replay.ReplayStep, "__call__", lambda self, *a: calls.append("replay_step"))

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from naflex_accum.audit import audit_case, default_task_factory, random_window
+from naflex_accum.upstream.audit import audit_case, default_task_factory, random_window
 from naflex_accum.testing.bugs import bug_step
 from test_equivalence import ACCUM
 

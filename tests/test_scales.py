@@ -3,7 +3,7 @@ import math
 import pytest
 
 from naflex_accum import window_loss_scale
-from naflex_accum.scales import window_is_naflex
+from naflex_accum.accum.scales import window_is_naflex
 
 
 @pytest.mark.parametrize("sizes,ref,mode,expected", [

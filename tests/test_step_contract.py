@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from naflex_accum import CachedLossStep, ReplayStep, cached_loss_step, replay_step
-from naflex_accum.audit import GradProbe, audit_case, compare, full_batch_grads, named_params, random_window
-from naflex_accum.naflex import concat_batches
+from naflex_accum.testing.older_order import older as older_order
+from naflex_accum.upstream.audit import (GradProbe, audit_case, compare, concat_batches, full_batch_grads,
+                                         named_params, random_window)
 
 
 def make_args(**kw):
@@ -124,7 +125,7 @@ def test_empty_microbatch_is_refused(counted):
 def test_older_order_replays_every_microbatch(counted, step):
     task = counted()
     mode = {"replay_step": ReplayStep, "cached_loss_step": CachedLossStep}[step.__name__]
-    older = type("Older", (mode,), {"reuse_last_graph": False})()
+    older = older_order(mode)()
     state = ([], {})
     for batch in random_window((3, 1, 2)):
         older(task, batch, state, GradProbe(named_params(task)), None, nullcontext, make_args(accum_freq=3))

@@ -91,7 +91,7 @@ def test_verify_step_passes_the_plain_rows_of_an_upstream_with_both_fixes(upstre
 
 
 def test_the_runner_says_what_the_patch_still_changes_over_a_fixed_upstream(upstream_src, demo_shards, tmp_path):
-    from naflex_accum.upstream_tasks import write_model_dir
+    from naflex_accum.upstream.tiny_tasks import write_model_dir
 
     model = write_model_dir(str(tmp_path / "tiny-clip"), "clip")
     proc = _emulated(upstream_src, "window-scale,logit-once", "openclip", "--use-naflex", "--model", model,

@@ -28,7 +28,7 @@ def _args(demo_shards, model):
 
 @pytest.fixture
 def model(tmp_path):
-    from naflex_accum.upstream_tasks import write_model_dir
+    from naflex_accum.upstream.tiny_tasks import write_model_dir
 
     return write_model_dir(str(tmp_path / "tiny-clip"), "clip")
 
@@ -104,8 +104,8 @@ def test_every_rank_agrees_and_the_run_folder_says_so(upstream_src, demo_shards,
 UNVERIFIABLE = r"""
 import json, sys
 import naflex_accum
-from naflex_accum import selfcheck
-from naflex_accum.patch import original_step
+from naflex_accum.upstream import selfcheck
+from naflex_accum.upstream.patch import original_step
 from open_clip_train.params import parse_args
 
 naflex_accum.install()

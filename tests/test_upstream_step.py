@@ -13,13 +13,13 @@ the gradient). It also drives each step into an fp16 GradScaler overflow.
 """
 import pytest
 
-from naflex_accum.modes import MODES
+from naflex_accum.accum.modes import ACCUM_MODES
 from upstream_real import DETERMINISTIC, JOBS, last_json, run_python, upstream_env
 
 
 @pytest.fixture(scope="module")
 def outcome(pinned, demo_shards, tmp_path_factory):
-    from naflex_accum.upstream_tasks import write_model_dir
+    from naflex_accum.upstream.tiny_tasks import write_model_dir
 
     work = tmp_path_factory.mktemp("one-step")
     model = write_model_dir(str(work / "tiny-clip"), "clip")
@@ -34,7 +34,7 @@ def test_the_window_is_uneven_and_every_run_saw_the_same_examples_and_init(outco
     assert outcome["update_norm"] > 0.1  # the step moved the weights well above fp32 round-off
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ACCUM_MODES)
 def test_patched_step_equals_the_unaccumulated_reference(outcome, mode):
     assert outcome["rel_err"][mode] <= 1e-5, outcome["rel_err"]
 
@@ -47,5 +47,5 @@ def test_fp16_overflow_skips_the_step_and_backs_off_like_upstream(outcome):
     upstream = outcome["overflow"]["upstream"]
     assert upstream["returned"] and upstream["weights_unchanged"] and upstream["nonfinite_grads"] > 0
     assert upstream["scale_after"] == 2.0 ** 99  # GradScaler's backoff (0.5) from 2 ** 100
-    for mode in MODES:
+    for mode in ACCUM_MODES:
         assert outcome["overflow"][mode] == upstream, mode

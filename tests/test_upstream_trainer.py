@@ -40,7 +40,7 @@ def _check_run_folder(folder, mode: str, version: str = "4.2.0.dev0"):
 
 
 def _clip_run(pinned, demo_shards, tmp_path, **env):
-    from naflex_accum.upstream_tasks import write_model_dir
+    from naflex_accum.upstream.tiny_tasks import write_model_dir
 
     model = write_model_dir(str(tmp_path / "tiny-clip"), "clip")
     args = ["-m", "naflex_accum.openclip", "--use-naflex", "--model", model, "--train-data", demo_shards,
@@ -83,7 +83,7 @@ def test_runner_without_the_check_says_so(upstream_src, demo_shards, tmp_path):
 
 @pytest.mark.parametrize("mode", [pytest.param(None, id="default"), "replay"])
 def test_runner_trains_upstream_coca_with_logging_at_warning(upstream_src, demo_shards, tmp_path, mode):
-    from naflex_accum.upstream_tasks import write_model_dir
+    from naflex_accum.upstream.tiny_tasks import write_model_dir
 
     # Named "coca" so upstream's main picks its CoCaTask; weights saved (see write_model_dir).
     model = write_model_dir(str(tmp_path / "tiny-coca"), "coca", weights=True)

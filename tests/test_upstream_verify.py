@@ -11,7 +11,7 @@ scale per replay.
 """
 import pytest
 
-from naflex_accum.modes import MODES
+from naflex_accum.accum.modes import ACCUM_MODES
 from upstream_real import JOBS, last_json, run_python
 
 LOSSES = ("clip", "siglip", "coca")
@@ -33,7 +33,7 @@ def _explain(case) -> str:
 
 
 @pytest.mark.parametrize("loss,mode", [pytest.param(loss, mode, id=f"{loss}-{mode}")
-                                       for loss in LOSSES for mode in MODES])
+                                       for loss in LOSSES for mode in ACCUM_MODES])
 def test_verify_passes_on_patched_upstream(reports, loss, mode):
     pinned, reports = reports
     case = reports[("--loss", loss, "--accum-mode", mode)]

@@ -13,13 +13,13 @@ from naflex_accum import cli
 from naflex_accum.commands import verify
 from upstream_stand_in import NAME, renamed_param_step
 
-ROWS = len(verify.MODES) * len(verify.VERIFY_SPLITS) * 2
+ROWS = len(verify.LOSS_SCALES) * len(verify.VERIFY_SPLITS) * 2
 
 
 @pytest.fixture
 def few_cases(monkeypatch):
     """Two rows instead of the full set, for tests about which step is chosen."""
-    monkeypatch.setattr(verify, "MODES", ("linear",))
+    monkeypatch.setattr(verify, "LOSS_SCALES", ("linear",))
     monkeypatch.setattr(verify, "VERIFY_SPLITS", ((1, 2),))
 
 

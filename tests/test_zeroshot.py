@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from naflex_accum.data import labelled
 from naflex_accum.errors import UsageError
 from naflex_accum.train import zeroshot
 from naflex_accum.train.distributed import World
@@ -66,7 +67,7 @@ def test_zero_shot_matches_a_direct_computation(shards):
 
     from naflex_accum.data.decode import decode_for_seq
     from naflex_accum.data.samples import tar_members
-    from naflex_accum.naflex import collate_images
+    from naflex_accum.data.patches import collate_images
 
     task = tiny_task()
     model = task.trainable_module
@@ -117,8 +118,9 @@ def test_cls_labels_and_skipped_samples(tmp_path, caplog):
     classes.write_text("name: three\nclassnames: [cat, dog, bird]\ntemplates: ['a photo of a {}.']\n")
     write_cls_shard(tmp_path / "z-0.tar", [0, 1, 2, 7, 1])
     class_list = zeroshot.load_class_list(str(classes))
-    source = zeroshot.ShardSource([str(tmp_path / "z-0.tar")], class_list, "--zeroshot-data")
-    problems = zeroshot.Problems()
+    source = labelled.ShardSource([str(tmp_path / "z-0.tar")], class_list.classnames, class_list.json_label,
+                                  "--zeroshot-data")
+    problems = labelled.Problems()
     assert [label for _, label in source.items(0, 1, problems)] == [0, 1, 2, 1]
     assert problems.count == 1 and ".cls 7 is outside 0..2" in problems.first[0]
 

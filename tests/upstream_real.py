@@ -29,7 +29,7 @@ JOBS = Path(__file__).resolve().parent / "upstream_jobs"
 class Pinned:
     commit: str
     version: str  # open_clip.version.__version__ at that commit
-    contract: str  # naflex_accum.contract generation name
+    contract: str  # naflex_accum.accum.contract generation name
     tokens_flag: str  # its NaFlex token-budget flag (renamed between the two)
     src: Path = None
 

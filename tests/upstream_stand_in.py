@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from naflex_accum.contract import REPORT
-from naflex_accum.probe import Probe
+from naflex_accum.accum.contract import REPORT
+from naflex_accum.upstream.probe import Probe
 from naflex_accum.testing.bugs import upstream_style_step
 
 MODULE = "open_clip_train.train"
@@ -50,9 +50,9 @@ def upstream_train(monkeypatch):
     """``open_clip_train.train`` with its ``_train_step_eager`` state put back exactly after the test."""
     module = target_module()
     had, before = hasattr(module, NAME), getattr(module, NAME, None)
-    monkeypatch.setattr("naflex_accum.patch._announced", True)  # keep test logs quiet by default
+    monkeypatch.setattr("naflex_accum.upstream.patch._announced", True)  # keep test logs quiet by default
     # open_clip 3.3.0 has no upstream task classes to probe with: a stand-in speaks the current contract.
-    monkeypatch.setattr("naflex_accum.patch.probe_contract", lambda module, original: Probe(REPORT))
+    monkeypatch.setattr("naflex_accum.upstream.patch.probe_contract", lambda module, original: Probe(REPORT))
     yield module
     if had:
         setattr(module, NAME, before)

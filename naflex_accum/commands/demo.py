@@ -10,24 +10,26 @@ each demo run gets a new run folder (``demo-<date>``), so nothing earlier is
 overwritten. Any ``naflex-accum train`` flag after the demo's own wins over
 the ``demo`` preset (configs/runs/demo.yaml).
 """
-from ..errors import OneLineParser
 import os
 import shutil
 from datetime import datetime
 from pathlib import Path
+
+from ..data.demo import write_demo_data
+from ..data.index import cache_dir
+from ..errors import OneLineParser
+from ..train.main import print_footer, train
+from ..train.zeroshot import load_class_list
 
 DATA_VERSION = "v1"
 ZERO_SHOT_CLASSES = "demo-shapes"  # naflex_accum/class_lists/demo-shapes.yaml: "a photo of a red triangle."
 
 
 def default_data_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "naflex-accum" / f"demo-data-{DATA_VERSION}"
+    return Path(cache_dir()) / f"demo-data-{DATA_VERSION}"
 
 
 def ensure_demo_data(data_dir: Path, num_samples: int, val_samples: int) -> dict:
-    from ..data import write_demo_data
-
     marker = data_dir / "patterns.txt"
     if not marker.is_file():
         tmp = data_dir.with_name(f".{data_dir.name}.tmp-{os.getpid()}")
@@ -51,8 +53,6 @@ ROWS = (("held-out image->text R@1 / R@5", "image_to_text_R@1", "image_to_text_R
 
 def summarize(result: dict) -> None:
     """Loss, and held-out retrieval and zero-shot accuracy before training and after the last epoch."""
-    from ..train.zeroshot import load_class_list
-
     if not result["is_master"]:
         return
     print("\nDemo summary")
@@ -83,8 +83,6 @@ def main(argv, prog="naflex-accum demo") -> int:
     parser.add_argument("--logs", default="./logs")
     parser.add_argument("--name", default=None, help="run folder name (default: demo-<date>)")
     args, train_flags = parser.parse_known_args(argv)
-
-    from ..train.main import print_footer, train
 
     patterns = ensure_demo_data(args.data_dir, args.num_samples, args.val_samples)
     name = args.name or f"demo-{datetime.now().strftime('%Y_%m_%d-%H_%M_%S')}"

@@ -9,6 +9,7 @@ prints the --train-data / --val-data patterns. Refuses a non-empty DIR unless
 import os
 import time
 
+from ..data.demo import write_demo_data
 from ..errors import OneLineParser, UsageError, check_int
 
 
@@ -22,8 +23,6 @@ def main(argv, prog="naflex-accum make-demo-data") -> int:
     parser.add_argument("--processes", type=int, default=0, help="writer processes (default: CPU count)")
     parser.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
     args = parser.parse_args(argv)
-
-    from ..data.demo import write_demo_data
 
     if os.path.exists(args.dir) and not os.path.isdir(args.dir):
         raise UsageError(f"DIR {args.dir!r} exists and is not a folder")

@@ -3,20 +3,21 @@
 Every split of AUDIT_SPLITS, every mode, CLIP and SigLIP, with and without
 stochastic layers; exits 0 only if every row passes.
 """
+import importlib
 import json
+import os
+import sys
 import time
 
-from ..errors import OneLineParser, UsageError
-from ..scales import MODES
+import torch
 
+from ..accum.scales import LOSS_SCALES
+from ..errors import OneLineParser, UsageError
+from ..upstream.audit import AUDIT_SPLITS, audit_case, default_task_factory, format_summary, format_table
 
 
 def load_step(spec: str):
     """``MODULE:FUNCTION`` -> the callable (the step under audit)."""
-    import importlib
-    import os
-    import sys
-
     if os.getcwd() not in sys.path:  # as `python -m` would, so local modules can be audited
         sys.path.insert(0, os.getcwd())
     module_name, _, attr = spec.partition(":")
@@ -38,17 +39,12 @@ def main(argv, prog="naflex-accum table") -> int:
                         help="MODULE:FUNCTION of the step to audit (default: ours)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row")
     args = parser.parse_args(argv)
-
-    import torch
-
-    from ..audit import AUDIT_SPLITS, audit_case, default_task_factory, format_summary, format_table
-
     torch.set_num_threads(1)
     step = load_step(args.step)
     start = time.time()
     results = [audit_case(step, default_task_factory, loss, mode, split, stochastic)
                for loss in ("clip", "siglip") for stochastic in (False, True)
-               for mode in MODES for split in AUDIT_SPLITS]
+               for mode in LOSS_SCALES for split in AUDIT_SPLITS]
     if args.json:
         for r in results:
             print(json.dumps({**r.__dict__, "split": list(r.split), "passed": r.passed}))

@@ -1,6 +1,6 @@
 """``naflex-accum train``: see ``naflex_accum.train.main``."""
+from ..train.main import main as train_main
 
 
 def main(argv, prog="naflex-accum train") -> int:
-    from ..train.main import main as train_main
     return train_main(argv, prog)

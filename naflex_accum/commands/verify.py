@@ -12,21 +12,28 @@ signature, unpatched. A step that raises fails its row with the error, never a
 traceback. Exit 0 only if every row passes.
 """
 import contextlib
+import importlib
 import json
 import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, List
 
-from ..audit import REFERENCE_BATCH_SIZE, VERIFY_SPLITS, audit_row
-from ..errors import OneLineParser
-from ..modes import DEFAULT_MODE, ENV_VAR
-from ..modes import MODES as MODES_ACCUM
-from ..scales import MODES
-from ..upstream_tasks import LOSSES
-from .table import load_step
+import torch
 
+from ..accum.modes import ACCUM_MODES, DEFAULT_MODE, ENV_VAR, get_step, resolve_mode
+from ..accum.scales import LOSS_SCALES
+from ..errors import OneLineParser, PatchError
+from ..upstream import tiny_tasks
+from ..upstream.audit import REFERENCE_BATCH_SIZE, VERIFY_SPLITS, audit_row, default_task_factory, format_table
+from ..upstream.faults import describe as describe_faults, diagnose
+from ..upstream.fingerprint import fingerprint, verified
+from ..upstream.patch import (TARGET, TARGET_MODULE, TARGET_NAME, describe_contract, gate, import_target,
+                              installed_step, open_clip_version, original_step, patched)
+from ..upstream.tiny_tasks import LOSSES, STOCHASTIC_NOTE
+from .table import load_step
 
 
 @dataclass
@@ -44,27 +51,21 @@ class Target:
 
 def upstream_facts(loss: str, step=None) -> dict:
     """The installed contract and the fingerprint of upstream's step (``step``, else the original) with the task."""
-    from .. import upstream_tasks
-    from ..fingerprint import fingerprint, verified
-    from ..patch import describe_contract, installed_step, original_step
-
     facts = {}
     installed = installed_step()
     if installed is not None:
         facts["contract"] = describe_contract(installed.contract)
     original = step or original_step()
-    if original is not None and upstream_tasks.available():
-        import open_clip.task as tasks
+    if original is not None and tiny_tasks.available():
+        import open_clip.task as tasks  # upstream main's alone (open_clip_torch 3.3.0 has none)
 
-        task_class = getattr(tasks, upstream_tasks.TASK_CLASSES[loss])
+        task_class = getattr(tasks, tiny_tasks.TASK_CLASSES[loss])
         value = fingerprint(original, task_class)
         facts.update(fingerprint=value, fingerprint_task=task_class.__name__, verified_in_ci=verified(value))
     return facts
 
 
 def _builtin_task(loss: str):
-    from ..audit import default_task_factory
-
     if loss == "coca":
         return default_task_factory, "naflex_accum CocaTask around a built-in tiny random CoCa (dense 32 px images)"
     kind = "SigLipTask" if loss == "siglip" else "ClipTask"
@@ -72,37 +73,23 @@ def _builtin_task(loss: str):
 
 
 def _task_for(loss: str):
-    from .. import upstream_tasks
-
-    if upstream_tasks.available():
-        return upstream_tasks.task_factory, upstream_tasks.describe(loss)
+    if tiny_tasks.available():
+        return tiny_tasks.task_factory, tiny_tasks.describe(loss)
     return _builtin_task(loss)
 
 
 def _upstream_problem():
     """``(None, contract)`` when upstream's step can be patched here (signature, then the contract probe), else
     ``(PatchError, None)``."""
-    from ..patch import CONTRACTS, PatchError, contract_problem, import_target, open_clip_version, original_step
-    from ..patch import probe_contract
-
     try:
-        module = import_target()
+        contract, _ = gate(import_target(), original_step())
     except PatchError as exc:
         return exc, None
-    original = original_step()
-    problem = contract_problem(original)
-    if problem is not None:
-        return PatchError(open_clip_version(), problem), None
-    found = probe_contract(module, original)
-    if found.problem is not None:
-        return PatchError(open_clip_version(), found.problem, CONTRACTS), None
-    return None, found.contract
+    return None, contract
 
 
 def _through_module(module_name: str, attr: str) -> Callable:
     """A step that resolves ``module.attr`` at every call, as upstream's training loop does."""
-    import importlib
-
     module = importlib.import_module(module_name)
 
     def step(task, batch, accum_state, optimizer, scaler, autocast, args):
@@ -111,11 +98,6 @@ def _through_module(module_name: str, attr: str) -> Callable:
 
 
 def choose_target(step_spec, loss: str, mode=None) -> Target:
-    from functools import partial
-
-    from ..modes import get_step, resolve_mode
-    from ..patch import TARGET, TARGET_MODULE, TARGET_NAME, patched
-
     if step_spec is not None:
         make_task, task_label = _task_for(loss)
         return Target(load_step(step_spec), f"{step_spec} (as given by --step; nothing patched)",
@@ -147,17 +129,13 @@ def run_audit(target: Target, loss: str):
             # --step: the function audited; patched: the original that ours replaced
             target.facts.update(upstream_facts(loss, target.step if target.diagnose else None))
         results = [audit_row(target.step, target.make_task, loss, mode, split, stochastic)
-                   for stochastic in (False, True) for mode in MODES for split in VERIFY_SPLITS]
+                   for stochastic in (False, True) for mode in LOSS_SCALES for split in VERIFY_SPLITS]
     if target.diagnose:
-        from ..faults import diagnose
-
         target.facts["fixes"] = diagnose(results, naflex=loss != "coca")
     return results
 
 
 def _fact_lines(target: Target) -> List[str]:
-    from ..faults import describe as describe_faults
-
     facts, lines = target.facts, []
     if "contract" in facts:
         lines.append(f"upstream: {facts['contract']}")
@@ -178,9 +156,6 @@ def _span(results, key: str) -> str:
 
 
 def render_text(target: Target, loss: str, version: str, results, seconds: float) -> str:
-    from ..audit import format_table
-    from ..upstream_tasks import STOCHASTIC_NOTE
-
     passed = sum(r.passed for r in results)
     errors = sorted({r.error for r in results if hasattr(r, "error")})
     dense = " (dense images: the NaFlex loss scale is 1)" if loss == "coca" else ""
@@ -225,14 +200,10 @@ def main(argv, prog="naflex-accum verify") -> int:
     parser.add_argument("--step", metavar="MODULE:FUNCTION", default=None,
                         help="audit this function (upstream's signature) instead, unpatched; e.g. "
                              "open_clip_train.train:_train_step_eager shows upstream's bug")
-    parser.add_argument("--accum-mode", choices=MODES_ACCUM, default=None,
+    parser.add_argument("--accum-mode", choices=ACCUM_MODES, default=None,
                         help=f"accumulation mode to audit (default: ${ENV_VAR}, else {DEFAULT_MODE}, what "
                              f"training uses)")
     args = parser.parse_args(argv)
-
-    import torch
-
-    from ..patch import open_clip_version
 
     torch.set_num_threads(1)
     target = choose_target(args.step, args.loss, args.accum_mode)

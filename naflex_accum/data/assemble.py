@@ -10,8 +10,9 @@ a new batch (pinned when the parts were, for CUDA). The patches of a new batch
 any more: fresh memory of that size costs a page fault per 4 KB, ten times
 the copy itself.
 """
+import functools
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -19,16 +20,20 @@ import torch
 BIG_ROW = 1 << 15  # bytes per row from which rows are copied one by one (index_copy_ is slower on big rows)
 
 
-class _Lease:
-    """Keeps ``view``'s memory alive while any tensor over it lives, then gives ``token`` back to ``free``."""
-    __slots__ = ("__array_interface__", "_view", "_token", "_free")
+class Lease:
+    """Keeps ``view``'s memory alive while any tensor over it lives (``torch.from_numpy(np.asarray(lease))``),
+    then calls ``release`` once: the memory can be reused."""
+    __slots__ = ("__array_interface__", "_view", "_release")
 
-    def __init__(self, view: np.ndarray, token, free: list):
+    def __init__(self, view: np.ndarray, release: Callable[[], None]):
         self.__array_interface__ = view.__array_interface__
-        self._view, self._token, self._free = view, token, free
+        self._view, self._release = view, release
 
     def __del__(self):
-        self._free.append(self._token)
+        try:
+            self._release()
+        except Exception:  # interpreter shutdown: nobody is left to reuse the memory
+            pass
 
 
 class Pool:
@@ -47,7 +52,8 @@ class Pool:
         else:
             buffer = torch.empty(numel, dtype=self.dtype).numpy()
         del self.free[:-self.keep or None]  # the oldest beyond ``keep`` go back to the allocator
-        return torch.from_numpy(np.asarray(_Lease(buffer[:numel], buffer, self.free))).view(shape)
+        lease = Lease(buffer[:numel], functools.partial(self.free.append, buffer))
+        return torch.from_numpy(np.asarray(lease)).view(shape)
 
 
 def _alike(value: torch.Tensor, rows: int, pin: bool, pool: Optional[Pool]) -> torch.Tensor:

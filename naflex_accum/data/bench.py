@@ -10,6 +10,12 @@ import argparse
 import time
 from typing import Dict
 
+import torch
+from open_clip.tokenizer import SimpleTokenizer
+
+from .loader import make_train_loader
+from .schedule import DataConfig
+
 
 def measure(loader, epoch: int = 0) -> Dict[str, float]:
     loader.set_epoch(epoch)
@@ -43,12 +49,6 @@ def main(argv=None) -> int:
     parser.add_argument("--num-samples", type=int, default=4000)
     parser.add_argument("--context-length", type=int, default=32)
     args = parser.parse_args(argv)
-
-    import torch
-    from open_clip.tokenizer import SimpleTokenizer
-
-    from .loader import make_train_loader
-    from .schedule import DataConfig
 
     torch.set_num_threads(1)
     tokenizer = SimpleTokenizer(context_length=args.context_length)

@@ -22,19 +22,19 @@ from typing import Optional, Tuple
 import torch
 
 from ..errors import UsageError
-from ..naflex import resize_for_seq, size_for_seq
 from .images import ImageInfo, decode_rgb, inspect
+from .patches import resize_for_seq, size_for_seq
 
 log = logging.getLogger(__name__)
 
-MODES = ("scaled", "full")  # --image-decode
+DECODE_MODES = ("scaled", "full")  # --image-decode
 FACTORS = (8, 4, 2)  # libjpeg-turbo's DCT reductions whose IDCTs it vectorises; largest first
 _simplejpeg = None
 
 
 def check_mode(mode: str, flag: str = "--image-decode") -> str:
-    if mode not in MODES:
-        raise UsageError(f"{flag} {mode!r}: expected one of {', '.join(MODES)}")
+    if mode not in DECODE_MODES:
+        raise UsageError(f"{flag} {mode!r}: expected one of {', '.join(DECODE_MODES)}")
     return mode
 
 

@@ -16,6 +16,7 @@ import random
 import tarfile
 from typing import Dict, NamedTuple, Tuple
 
+from ..errors import check_int
 from .schedule import derive_seed
 
 SHAPES = ("circle", "square", "triangle", "star", "cross")
@@ -129,6 +130,7 @@ def _write_split(out_dir: str, split: str, num: int, seed: int, shard_size: int,
     if processes > 1 and len(shards) > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
+
         # fork: the children need nothing re-imported (spawn would pay for torch's import in each)
         ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
         with ProcessPoolExecutor(min(processes, len(shards)), mp_context=ctx) as pool:
@@ -148,8 +150,6 @@ def write_demo_data(out_dir: str, num_samples: int = 10000, val_samples: int = 1
     Overwrites same-named shards in those folders (the CLI refuses a non-empty
     folder without ``--force``). ``processes=0`` uses up to the machine's CPU count.
     """
-    from ..errors import check_int
-
     check_int(num_samples, "--num-samples")
     check_int(shard_size, "--shard-size")
     check_int(val_samples, "--val-samples", 0)

@@ -4,7 +4,7 @@ Invariant: a worker writes a batch's patches into one of its shared-memory slots
 only while no tensor in the main process is over that slot. The worker marks the
 slot busy (a flag in shared memory) before writing; the main process marks it
 free when the last tensor, view or storage over that batch's patches is gone
-(``torch.from_numpy`` keeps its array, and so the array's ``_Lease``, alive
+(``torch.from_numpy`` keeps its array, and so the array's ``assemble.Lease``, alive
 exactly that long). So a batch the trainer still holds (an accumulation window,
 a batch kept for logging) is never overwritten, however long it is held. A
 slot's memory crosses to the main process once (torch's file-descriptor
@@ -25,10 +25,15 @@ faults again when it reads the patches; a recycled slot costs neither (nor, with
 each worker's slots stay mapped while it lives, usually 3-4 batches' worth
 (prefetched batches, the one being built, those the trainer holds).
 """
+import functools
+import operator
 from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
+
+from .assemble import Lease
+from .patches import patch_grid
 
 MAX_SLOTS = 16  # per worker: prefetched batches plus those the main process holds; beyond that, fresh memory
 
@@ -135,21 +140,6 @@ def pack(item: Tuple[Optional[Dict], Dict]) -> Tuple[Optional[Dict], Dict]:
     return {"image": image, "text": batch["text"].numpy()}, meta
 
 
-class _Lease:
-    """The owner of one received batch's patches: frees the slot when the last tensor over them is gone."""
-    __slots__ = ("__array_interface__", "_memory", "_flags", "_slot")
-
-    def __init__(self, view: np.ndarray, flags: np.ndarray, slot: int):
-        self.__array_interface__ = view.__array_interface__
-        self._memory, self._flags, self._slot = view, flags, slot
-
-    def __del__(self):
-        try:
-            self._flags[self._slot] = 0
-        except Exception:  # interpreter shutdown: nobody is left to reuse the slot
-            pass
-
-
 class Receiver:
     """The main process's side: each worker slot's memory, mapped once, and the batches over it.
 
@@ -169,7 +159,9 @@ class Receiver:
         if generation != ref.generation:
             raise RuntimeError(f"loader worker {ref.worker} sent a batch in slot {ref.slot} generation "
                                f"{ref.generation}, whose memory this process never received")
-        lease = _Lease(memory[:int(np.prod(ref.shape))], self.flags[ref.worker], ref.slot)
+        # the slot is free again when the last tensor over this batch's patches is gone
+        free = functools.partial(operator.setitem, self.flags[ref.worker], ref.slot, 0)
+        lease = Lease(memory[:int(np.prod(ref.shape))], free)
         return torch.from_numpy(np.asarray(lease)).view(ref.shape)
 
     def __call__(self, batch: Dict, meta: Optional[Dict] = None) -> Dict:
@@ -182,7 +174,6 @@ class Receiver:
             return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
         batch = tensor(batch)
         if "patch_coord" not in batch["image"] and meta is not None and "grid" in meta:
-            from ..naflex import patch_grid
             counts, widths = zip(*meta["grid"])
             coord, valid = patch_grid(counts, widths, meta["seq_len"])
             batch["image"].update(patch_coord=coord, patch_valid=valid)

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .samples import count_samples
 from .shards import local_path
 
-log = logging.getLogger("naflex_accum.data")
+log = logging.getLogger(__name__)
 SIZES_FILE = "sizes.json"
 
 

@@ -24,17 +24,17 @@ from ..errors import UsageError, check_int
 from .assemble import Pool, assemble
 from .decode import check_mode
 from .handover import Receiver
+from .index import listed_total, shard_sizes
 from .order import Segment, check_slots, default_slots
 from .pipeline import TrainStream, ValStream
 from .ring import Ring
-from .schedule import BatchSpec, DataConfig, Schedule
-from .index import listed_total, shard_sizes
 from .samples import IMAGE_EXTS, Corruption, shard_samples
+from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import expand_sources, expand_urls, shard_weights
 from .slots import DataIndex
 from .workers import lost, raise_pending, read_failed, register as register_workers, stop as stop_workers
 
-log = logging.getLogger("naflex_accum.data")
+log = logging.getLogger(__name__)
 RING_LOOKAHEAD = 4  # batches past the one delivered that get a ring buffer: more than workers run ahead
 LOG_LIMIT = 20
 

@@ -23,11 +23,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import UsageError
-from ..naflex import patch_grid, patchify_images, patchify_into
 from .decode import decode_for_seq
-from .handover import WorkerSlots, fresh_shared, new_flags, pack
 from .fill import MAX_CONSECUTIVE_FAILURES, BatchFill, Readers
+from .handover import WorkerSlots, fresh_shared, new_flags, pack
 from .order import Segment, batch_positions, cursors, slot_worker
+from .patches import patch_grid, patchify_images, patchify_into
 from .samples import Corruption, RawSample, shard_samples
 from .schedule import BatchSpec, Schedule
 from .slots import DataIndex, EpochOrder
@@ -183,7 +183,8 @@ class TrainStream(torch.utils.data.IterableDataset):
             readers.close()
 
     def _ring_rows(self, generation: int, index: int, spec: BatchSpec, rows: List[int]):
-        """``((patches, rows), buffer)`` when the main process assigned batch ``index`` a ring buffer, else (None, None)."""
+        """``((patches, rows), buffer)`` when the main process assigned batch ``index`` a ring buffer, else
+        (None, None)."""
         buffer = None if self.ring is None else self.ring.lookup(generation, index)
         shape = (spec.batch_size, spec.seq_len, spec.patch_size ** 2 * 3)
         if buffer is None or spec.batch_size * shape[1] * shape[2] > self.ring.capacity:

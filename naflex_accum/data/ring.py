@@ -6,7 +6,7 @@ main process assigned ``b`` to exactly that batch of exactly this iteration
 and ``b`` in one 64-bit word, written and read whole). The main process assigns a
 buffer only while no tensor over it lives and no worker can still be writing into
 it: a buffer is free again when the last tensor over its batch is gone (a
-``_Lease``, as ``handover``'s slots), and the buffers of an iteration's batches
+``assemble.Lease``, as ``handover``'s slots), and the buffers of an iteration's batches
 that were assigned but never received are held back (``begin``) until every
 worker has sent a part of the next iteration: a worker builds its parts in order,
 so by then it has left the old ones. A batch whose entry a worker finds missing
@@ -16,12 +16,13 @@ batch's buffer, or into pooled memory where it has none: the rows, and so the
 batch, are the same bit for bit either way. Made in the main process before the
 workers start, so that forked or spawned workers share the memory.
 """
+import functools
 from typing import Dict, List, Optional, Set
 
 import numpy as np
 import torch
 
-from .assemble import _Lease
+from .assemble import Lease
 from .handover import fresh_shared
 
 
@@ -81,7 +82,7 @@ class Ring:
             self.free.append(buffer)
             return None
         view = self.memory[buffer].numpy()[:numel]
-        return torch.from_numpy(np.asarray(_Lease(view, buffer, self.free))).view(shape)
+        return torch.from_numpy(np.asarray(Lease(view, functools.partial(self.free.append, buffer)))).view(shape)
 
     # ---- worker --------------------------------------------------------------------------------------------
 

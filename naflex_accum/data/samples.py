@@ -13,7 +13,10 @@ is parsed here: the decode stage (``images.inspect``) reads headers.
 import re
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
+from webdataset.gopen import gopen
+
 from .images import readable
+from .tario import iter_tar
 
 IMAGE_EXTS = ("jpg", "png", "jpeg", "webp")
 CAPTION_EXT = "txt"
@@ -61,10 +64,6 @@ def _split_name(fname: str):
 def tar_members(url: str, want: Optional[Callable[[str], bool]] = None) -> Iterator[Tuple[str, Optional[bytes]]]:
     """(file name, bytes) of each regular file in a tar, via webdataset's gopen (paths, file:, pipe:, ...);
     ``want`` as ``tario.iter_tar``'s (a member it refuses comes with None, its data unread)."""
-    from webdataset.gopen import gopen
-
-    from .tario import iter_tar
-
     stream = gopen(url)
     finished = False
     try:

@@ -18,10 +18,10 @@ it in one mode catches the same mistake in the other.
 """
 from contextlib import nullcontext
 
-from ..cached_loss import CachedLossStep
-from ..replay import ReplayStep
-from ..scales import window_loss_scale
-from ..step import LOGIT_KEYS
+from ..accum.cached_loss import CachedLossStep
+from ..accum.replay import ReplayStep
+from ..accum.scales import window_loss_scale
+from ..accum.step import LOGIT_KEYS
 
 
 class PerReplayScale:

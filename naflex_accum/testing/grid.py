@@ -9,23 +9,25 @@ import functools
 import sys
 import time
 
+import torch
+
+from .. import cached_loss_step, replay_step
+from ..accum.scales import LOSS_SCALES
+from ..upstream.audit import AUDIT_SPLITS, audit_case, default_task_factory, format_summary
+from .mutating_task import make_mutating_task
+
 BF16_TOL = 5e-2
 
 
 def grid(step, label, make_task, loss, modes=None, stochastic=(False, True), tol=1e-5, **kw):
-    from ..audit import AUDIT_SPLITS, audit_case
-    from ..scales import MODES
-
     rows = [audit_case(step, make_task, loss, mode, split, s, tol=tol, **kw)
-            for s in stochastic for mode in (modes or MODES) for split in AUDIT_SPLITS]
+            for s in stochastic for mode in (modes or LOSS_SCALES) for split in AUDIT_SPLITS]
     for r in rows:
         r.loss = label
     return rows
 
 
 def report(title, rows) -> int:
-    from ..audit import format_summary
-
     print(f"\n{title}: {sum(r.passed for r in rows)}/{len(rows)} PASS; largest tower relative error "
           f"{max(r.tower_rel_err for r in rows):.2e}")
     print(format_summary(rows))
@@ -33,12 +35,6 @@ def report(title, rows) -> int:
 
 
 def main() -> int:
-    import torch
-
-    from .. import cached_loss_step, replay_step
-    from ..audit import default_task_factory
-    from .tasks import make_mutating_task
-
     torch.set_num_threads(1)
     bf16 = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
     checkpointed = functools.partial(default_task_factory, grad_checkpointing=True)

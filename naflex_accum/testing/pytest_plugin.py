@@ -11,6 +11,10 @@ a patched one. Mode: ``$NAFLEX_ACCUM_MODE``, as for the runner.
 """
 
 
+# The package is imported inside the hooks: pytest loads a -p plugin before the tests' own conftest.py files
+# have put the right open_clip on sys.path, and nothing of open_clip's may be imported before then.
+
+
 def pytest_configure(config):
     import naflex_accum
 
@@ -18,7 +22,7 @@ def pytest_configure(config):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    from naflex_accum.patch import describe, installed_step
+    from naflex_accum.upstream.patch import describe, installed_step
 
     step = installed_step()
     if step is None:
@@ -29,6 +33,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_unconfigure(config):
-    from naflex_accum.patch import uninstall
+    from naflex_accum.upstream.patch import uninstall
 
     uninstall()

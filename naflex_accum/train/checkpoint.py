@@ -22,7 +22,7 @@ import torch
 from ..data.workers import held as held_worker_failures
 from ..errors import UsageError
 
-log = logging.getLogger("naflex_accum")
+log = logging.getLogger(__name__)
 
 EPOCH_RE = re.compile(r"^epoch_(\d+)\.pt$")
 STEP_RE = re.compile(r"^step_(\d+)\.pt$")

@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-log = logging.getLogger("naflex_accum")
+log = logging.getLogger(__name__)
 STRATEGIES = ("model",)
 
 

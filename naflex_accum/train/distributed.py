@@ -12,12 +12,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsageError
+from ..ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS
 
 # The first variable found wins, as open_clip's world_info_from_env; not that function itself, because it
 # turns a half-set environment into a silent single-process run, which is refused here.
-LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
-RANK_VARS = ("RANK", "PMI_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
-WORLD_VARS = ("WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
 
 @dataclass

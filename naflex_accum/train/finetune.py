@@ -11,16 +11,20 @@ applied after ``--pretrained`` and so wins, as upstream.
 import argparse
 import logging
 import math
+import os
 from dataclasses import fields
 from typing import Dict, List, Optional
 
 import torch
+from timm.models import clean_state_dict, group_parameters
+from timm.models.naflexvit import checkpoint_filter_fn
 
+from ..data.schedule import DataConfig
 from ..errors import UsageError, check_ints
 from . import upstream_flags, zeroshot
-from .logs import LOGGER_NAME
+from .checkpoint import load_payload
 
-log = logging.getLogger(LOGGER_NAME)
+log = logging.getLogger(__name__)
 SHOWN_KEYS = 3  # keys named in a mismatch message, per kind
 
 
@@ -61,7 +65,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _default_resampled() -> bool:
-    from ..data.schedule import DataConfig
     return next(f.default for f in fields(DataConfig) if f.name == "dataset_resampled")
 
 
@@ -116,12 +119,6 @@ def read_state_dict(path: str) -> Dict[str, torch.Tensor]:
     The trainer's safe reader opens it (``.pt`` with ``weights_only``, or ``.safetensors``);
     timm's ``clean_state_dict`` drops the ``module.`` prefix of DDP checkpoints.
     """
-    import os
-
-    from timm.models import clean_state_dict
-
-    from .checkpoint import load_payload
-
     if not os.path.isfile(path):
         raise UsageError(f"--pretrained {path}: no such file; give a local weights file (pretrained tags such as "
                          f"'laion2b_s34b_b79k' need a download, which this trainer does not do)")
@@ -152,7 +149,6 @@ def _is_open_clip(state_dict: Dict) -> bool:
 
 def _timm_tower_weights(trunk, state_dict: Dict) -> Dict:
     """timm ViT/NaFlexVit weights in the trunk's layout, without a classifier head the trunk lacks."""
-    from timm.models.naflexvit import checkpoint_filter_fn
 
     trunk_keys = trunk.state_dict().keys()
     state_dict = {k: v for k, v in state_dict.items() if not (k.startswith("head.") and k not in trunk_keys)}
@@ -178,7 +174,6 @@ def load_pretrained(model, path: str, model_name: str = "the model") -> str:
 
 def image_layer_groups(visual) -> List[List[torch.nn.Parameter]]:
     """The image tower's parameters in layer groups, input side first: timm's own groups, then the projection."""
-    from timm.models import group_parameters
 
     trunk = visual.trunk
     grouped = group_parameters(trunk, trunk.group_matcher())

@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
-log = logging.getLogger("naflex_accum")
+log = logging.getLogger(__name__)
 LOGIT_KEYS = ("logit_scale", "logit_bias")
 
 

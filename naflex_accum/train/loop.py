@@ -22,14 +22,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..accum.rng import RngState
 from ..data.order import Segment
 from ..errors import UsageError
-from ..rng import RngState
-from ..scales import window_loss_scale
 from .compile import mark_batch_dynamic
 from .preempt import Preempted
 
-log = logging.getLogger("naflex_accum")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -166,7 +165,7 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
             state.samples_seen += step_batch_size * world.world_size
             state.epoch_samples += step_batch_size * world.world_size
             loop.monitor.add(state.global_step, losses, report, sum(sizes), tokens, data_time)
-            after_step(state, loop, segment.first_step + i // k + 1, num_steps, sizes, lr, state.epoch_samples,
+            after_step(state, loop, segment.first_step + i // k + 1, num_steps, lr, state.epoch_samples,
                        loader.num_samples)
             sizes, tokens, data_time = [], 0, 0.0
         end = time.time()
@@ -174,7 +173,7 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
     loop.logger.end_epoch()
 
 
-def after_step(state, loop: Loop, done: int, num_steps: int, sizes, lr, epoch_samples, samples_per_epoch):
+def after_step(state, loop: Loop, done: int, num_steps: int, lr, epoch_samples, samples_per_epoch):
     """After step ``done`` of the epoch: check (on the steps every rank agrees on), log, stop or save."""
     args, world = loop.args, loop.world
     last = done == num_steps
@@ -187,7 +186,7 @@ def after_step(state, loop: Loop, done: int, num_steps: int, sizes, lr, epoch_sa
     check = loop.monitor.check(loop.stop.pending())
     if check.steps:
         info = dict(check.info, lr=lr, epoch_samples=epoch_samples,
-                    window_scale=window_loss_scale(sizes, args.batch_size, args.naflex_loss_scale))
+                    window_scale=loop.step_fn.window_scale)
         loop.logger.step(state.epoch, done, num_steps, state.global_step, info, samples_per_epoch, log_now)
     if check.stop or save_now:
         state.step_in_epoch, state.meters = done, loop.logger.meter_state()

@@ -10,29 +10,35 @@ the exit status says how the run ended (``EXIT_CODES``).
 import logging
 
 import torch
+from open_clip.tokenizer import SimpleTokenizer
 from open_clip_train.precision import get_autocast
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..accum.modes import make_step
+from ..data import DataConfig, make_train_loader, make_val_loader
 from ..data.workers import failure as loader_failure, stop_all as stop_workers
 from ..errors import UsageError
-from .checkpoint import load_checkpoint
-from .distributed import init_distributed
+from ..models import create_model, enable_patch_sizes
+from ..tasks import create_task
 from . import fsdp
+from .checkpoint import load_checkpoint
 from .compile import compile_model
+from .distributed import init_distributed
 from .evaluate import evaluate
 from .finetune import data_options, prepare_model
-from .logs import LOGGER_NAME, RunLogger, setup_logging
+from .logs import RunLogger, setup_logging
 from .loop import Loop, TrainState, train_one_epoch
 from .lr import make_scheduler
 from .monitor import NonFiniteLoss, StepMonitor
 from .params import parse_args
 from .preempt import EXIT_STOPPED, Preempted, StopRequest
-from .resume import restore
 from .report import open_wandb, sinks
+from .resume import restore
 from .rundir import QuietUsageError, claim_run, create_run_folder, on_master
 from .saver import NonFiniteWeights, Saver
 from .zeroshot import due, make_zero_shot
 
-log = logging.getLogger(LOGGER_NAME)
+log = logging.getLogger(__name__)
 
 EXIT_NONFINITE = 3
 EXIT_LOADER = 74  # sysexits' EX_IOERR: the input failed; the saved checkpoints are intact
@@ -55,9 +61,6 @@ def build_optimizer(model, args):
 
 
 def build_task(args, world, device):
-    from ..models import create_model, enable_patch_sizes
-    from ..tasks import create_task
-
     torch.manual_seed(args.seed)  # same initial weights on every rank and every resume
     try:
         model = create_model(args.model, siglip=args.siglip, patch_dropout=args.force_patch_dropout)
@@ -79,7 +82,6 @@ def build_task(args, world, device):
     if args.torchcompile:  # before DDP, as upstream's 'model' strategy
         task.trainable_module = compile_model(model, args, world.distributed)
     if world.distributed and not fsdp.sharded(model):
-        from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [device.index] if device.type == "cuda" else None
         task.trainable_module = DDP(task.trainable_module, device_ids=ids)
     return task, model
@@ -90,9 +92,6 @@ def eval_task(task, model, args, world, device):
     gathered by every rank, since a sharded forward on rank 0 alone would wait for the others."""
     if not fsdp.sharded(model):
         return task
-    from ..models import create_model
-    from ..tasks import create_task
-
     state = fsdp.full_model_state(model)
     if not world.is_master:
         return None
@@ -102,10 +101,6 @@ def eval_task(task, model, args, world, device):
 
 
 def build_data(args, world, model, device):
-    from open_clip.tokenizer import SimpleTokenizer
-
-    from ..data import DataConfig, make_train_loader, make_val_loader
-
     tokenizer = SimpleTokenizer(context_length=model.context_length)
     cfg = DataConfig(
         train_data=args.train_data, seq_lens=tuple(args.naflex_seq_lens),
@@ -126,8 +121,8 @@ def build_data(args, world, model, device):
 
 
 def select_step(args):
-    from ..modes import get_step
-    return get_step(args.accum_mode)
+    """A step of ``--accum-mode`` of this run's own (its ``window_scale`` is what the loop logs)."""
+    return make_step(args.accum_mode)
 
 
 def _resume(state, model, claim, args, world) -> None:

@@ -11,12 +11,14 @@ import argparse
 from pathlib import Path
 from typing import List, Optional
 
+import yaml
+
+from ..accum.modes import ACCUM_MODES, DEFAULT_MODE
+from ..accum.scales import LOSS_SCALES, check_options
 from ..errors import OneLineParser, UsageError, check_int, check_ints
-from .report import check_wandb
-from ..modes import DEFAULT_MODE
-from ..modes import MODES as MODES_ACCUM
-from ..scales import MODES, check_options
+from ..models import load_config
 from . import finetune
+from .report import check_wandb
 
 RUN_CONFIG_DIR = Path(__file__).resolve().parent.parent / "run_configs"
 SUPPORTED_PRECISIONS = ("fp32", "amp", "amp_bf16", "amp_bfloat16")
@@ -68,10 +70,10 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     o = p.add_argument_group("optimisation")
     o.add_argument("--batch-size", type=int, default=64, help="reference batch size for --naflex-loss-scale")
     o.add_argument("--accum-freq", type=int, default=1, help="microbatches per optimizer step")
-    o.add_argument("--accum-mode", choices=MODES_ACCUM, default=DEFAULT_MODE,
+    o.add_argument("--accum-mode", choices=ACCUM_MODES, default=DEFAULT_MODE,
                    help="cached-loss: the window loss once per window (GradCache); replay: once per microbatch, "
                         "as upstream; both exact")
-    o.add_argument("--naflex-loss-scale", choices=MODES, default="none")
+    o.add_argument("--naflex-loss-scale", choices=LOSS_SCALES, default="none")
     o.add_argument("--epochs", type=int, default=1)
     o.add_argument("--lr", type=float, default=5e-4)
     o.add_argument("--wd", type=float, default=0.2)
@@ -131,7 +133,6 @@ def _resolve_config(path: str) -> Path:
 
 
 def _read_yaml(config_path: Path):
-    import yaml
 
     try:
         with open(config_path) as f:
@@ -222,7 +223,6 @@ def _infer_siglip(args) -> None:
     """``--siglip`` unset: the loss the model config was made for (SigLIP when it has a logit bias)."""
     if args.siglip is not None:
         return
-    from ..models import load_config
 
     try:
         args.siglip = load_config(args.model).get("init_logit_bias") is not None

@@ -19,13 +19,13 @@ from typing import Optional
 
 import torch
 
+from ..accum.rng import RngState
 from ..data.order import Segment, check_slots
 from ..errors import UsageError
-from ..rng import RngState
 from . import fsdp
 from .finetune import mismatch
 
-log = logging.getLogger("naflex_accum")
+log = logging.getLogger(__name__)
 
 # The flags that decide the batches of an epoch, and so which batch a saved step continues at.
 # Neither the world size nor --workers is among them: the epoch's sample order depends on neither (data.order).

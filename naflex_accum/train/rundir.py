@@ -22,8 +22,9 @@ from typing import Optional
 
 from ..errors import UsageError
 from .checkpoint import MOST_RECENT, WriteError, load_checkpoint, newest_loadable, remove_stale_temps
+from .logs import write_params
 
-log = logging.getLogger("naflex_accum")
+log = logging.getLogger(__name__)
 
 
 class QuietUsageError(UsageError):
@@ -177,8 +178,6 @@ def claim_run(args, world) -> Claim:
 
 
 def _create_on_master(claim: Claim, args) -> None:
-    from .logs import write_params
-
     paths = claim.paths
     try:
         paths.root.mkdir(parents=True, exist_ok=args.resume is not None)

@@ -23,7 +23,7 @@ from .monitor import host_read
 from .resume import epoch_payload, gather_rng_states, gather_states, mid_epoch_payload, weights_finite
 from .rundir import on_master
 
-log = logging.getLogger("naflex_accum")
+log = logging.getLogger(__name__)
 
 
 class NonFiniteWeights(Exception):

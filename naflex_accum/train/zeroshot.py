@@ -10,27 +10,29 @@ list's set is ``NAME-zeroshot-val-top1``. A sample whose image or label cannot
 be read is skipped and counted in a warning; a set with no usable sample is an
 error.
 
-Labelled images come from webdataset shards (``--zeroshot-data``, each sample's
-label a ``.cls`` class index or, with ``json_label`` in the class list, a class
-name formatted from its ``.json`` fields) or from an ImageNet folder
-(``--imagenet-val``: class subfolders in sorted order; ``--imagenet-v2``:
-subfolders named by class index).
+Labelled images (``data.labelled``) come from webdataset shards
+(``--zeroshot-data``, each sample's label a ``.cls`` class index or, with
+``json_label`` in the class list, a class name formatted from its ``.json``
+fields) or from an ImageNet folder (``--imagenet-val``: class subfolders in
+sorted order; ``--imagenet-v2``: subfolders named by class index).
 """
 import logging
-import os
 from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
+import yaml
+from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, build_zero_shot_classifier
+from open_clip.tokenizer import SimpleTokenizer
 
+from ..data.labelled import SHOWN_PROBLEMS, FolderSource, LabelledBatches, Problems, ShardSource
+from ..data.patches import normalize_patches
+from ..data.shards import expand_urls
 from ..errors import UsageError
-from .logs import LOGGER_NAME
+from ..tasks import unwrap
 
-log = logging.getLogger(LOGGER_NAME)
+log = logging.getLogger(__name__)
 CLASS_LIST_DIR = Path(__file__).resolve().parent.parent / "class_lists"
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".ppm", ".pgm")
-IMAGENET_V2_SUBFOLDER = "imagenetv2-matched-frequency-format-val"  # where upstream's ImageNetV2Dataset looks
-SHOWN_PROBLEMS = 3
 
 
 def due(epoch: int, frequency: int, epochs: int) -> bool:
@@ -85,8 +87,6 @@ def _string_list(data: dict, key: str, where: str) -> List[str]:
 
 def load_class_list(spec: str) -> ClassList:
     """A class list: ``classnames``, ``templates`` (each with one '{}'), optional ``name`` and ``json_label``."""
-    import yaml
-
     path = resolve_class_list(spec)
     where = f"--zeroshot-classes {path}"
     try:
@@ -113,140 +113,6 @@ def load_class_list(spec: str) -> ClassList:
     return ClassList(name, classnames, templates, json_label)
 
 
-# ---- labelled images ------------------------------------------------------------------------------------------
-
-class Problems:
-    """Samples skipped in one pass: a count and the first few reasons."""
-
-    def __init__(self):
-        self.count, self.first = 0, []
-
-    def add(self, reason: str):
-        self.count += 1
-        if len(self.first) < SHOWN_PROBLEMS:
-            self.first.append(reason)
-
-
-class ShardSource:
-    """(image bytes, label) of webdataset shards; a label is the ``.cls`` index or ``json_label`` of the ``.json``."""
-
-    def __init__(self, urls: List[str], classes: ClassList, flag: str):
-        self.urls, self.classes, self.flag = urls, classes, flag
-        self.index = {c: i for i, c in enumerate(classes.classnames)}
-
-    def __len__(self):
-        return len(self.urls)
-
-    def label(self, sample: dict) -> int:
-        import json
-
-        if self.classes.json_label is not None:
-            if "json" not in sample:
-                raise ValueError("no .json member for json_label")
-            fields = json.loads(sample["json"])
-            name = self.classes.json_label.format(**fields)
-            if name not in self.index:
-                raise ValueError(f"label {name!r} is not in the class list")
-            return self.index[name]
-        if "cls" not in sample:
-            raise ValueError("no .cls member (a class index) and no json_label in the class list")
-        label = int(sample["cls"].decode().strip())
-        if not 0 <= label < len(self.index):
-            raise ValueError(f".cls {label} is outside 0..{len(self.index) - 1}")
-        return label
-
-    def items(self, worker: int, workers: int, problems: Problems) -> Iterator[Tuple[bytes, int]]:
-        from webdataset.tariterators import group_by_keys
-
-        from ..data.samples import IMAGE_EXTS, tar_members
-
-        for url in self.urls[worker::workers]:
-            members = ({"fname": name, "data": data, "__url__": url} for name, data in tar_members(url))
-            try:
-                for sample in group_by_keys(members):
-                    image = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
-                    try:
-                        if image is None:
-                            raise ValueError("no image member")
-                        label = self.label(sample)
-                    except (ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
-                        problems.add(f"{url} key {sample['__key__']!r}: {exc}")
-                        continue
-                    yield image, label
-            except Exception as exc:  # a truncated or garbage tar: keep what was read, report the rest
-                problems.add(f"{url}: unreadable shard ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})")
-
-
-class FolderSource:
-    """(image path, label) of an ImageNet-style folder: sorted class subfolders, or subfolders named by index."""
-
-    def __init__(self, root: str, flag: str, numeric: bool, num_classes: int):
-        if numeric and os.path.isdir(os.path.join(root, IMAGENET_V2_SUBFOLDER)):
-            root = os.path.join(root, IMAGENET_V2_SUBFOLDER)
-        if not os.path.isdir(root):
-            raise UsageError(f"{flag} {root}: no such folder")
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
-        if numeric:
-            expected = [str(i) for i in range(num_classes)]
-            if sorted(classes, key=lambda c: (len(c), c)) != expected:
-                raise UsageError(f"{flag} {root}: expected subfolders 0..{num_classes - 1}, one per class; "
-                                 f"found {len(classes)} folders")
-        elif len(classes) != num_classes:
-            raise UsageError(f"{flag} {root}: expected {num_classes} class subfolders (in sorted synset order); "
-                             f"found {len(classes)}")
-        self.files = [(os.path.join(root, c, f), int(c) if numeric else i)
-                      for i, c in enumerate(classes) for f in sorted(os.listdir(os.path.join(root, c)))
-                      if f.lower().endswith(IMAGE_SUFFIXES)]
-        if not self.files:
-            raise UsageError(f"{flag} {root}: no images ({', '.join(IMAGE_SUFFIXES)}) in its class subfolders")
-
-    def __len__(self):
-        return len(self.files)
-
-    def items(self, worker: int, workers: int, problems: Problems) -> Iterator[Tuple[bytes, int]]:
-        for path, label in self.files[worker::workers]:
-            try:
-                with open(path, "rb") as f:
-                    yield f.read(), label
-            except OSError as exc:
-                problems.add(f"{path}: {exc}")
-
-
-class LabelledBatches(torch.utils.data.IterableDataset):
-    """``(NaFlex image batch, labels)`` of a source, built in the loader's workers; last yield is the problems.
-
-    Images become patches exactly as the training and held-out batches do (``data.decode.decode_for_seq``,
-    then ``naflex.patchify_images``: uint8, normalised on the device by ``naflex.normalize_patches``), so
-    zero-shot accuracy is measured on the pixels training sees.
-    """
-
-    def __init__(self, source, seq_len: int, patch_size: int, batch_size: int, decode: str = "scaled"):
-        super().__init__()
-        self.source, self.seq_len, self.patch_size, self.batch_size = source, seq_len, patch_size, batch_size
-        self.decode = decode
-
-    def __iter__(self):
-        from ..data.decode import decode_for_seq
-        from ..naflex import patchify_images
-
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        problems, items, labels = Problems(), [], []
-        for data, label in self.source.items(worker, workers, problems):
-            try:
-                items.append(decode_for_seq(data, self.seq_len, self.patch_size, self.decode))
-            except Exception as exc:  # any undecodable image: skip and count it
-                problems.add(f"undecodable image ({type(exc).__name__}: {exc})")
-                continue
-            labels.append(label)
-            if len(items) == self.batch_size:
-                yield patchify_images(items, self.seq_len, self.patch_size), torch.tensor(labels)
-                items, labels = [], []
-        if items:
-            yield patchify_images(items, self.seq_len, self.patch_size), torch.tensor(labels)
-        yield None, problems
-
-
 # ---- evaluation -----------------------------------------------------------------------------------------------
 
 def accuracy(logits: torch.Tensor, target: torch.Tensor, topk=(1,)) -> List[float]:
@@ -271,18 +137,14 @@ def image_sets(args) -> List[ZeroShotSet]:
     """The zero-shot sets the flags ask for (validated, nothing read but folder listings)."""
     sets = []
     if args.zeroshot_classes:
-        from ..data import expand_urls
-
         classes = load_class_list(args.zeroshot_classes)
         flag = "--zeroshot-data" if args.zeroshot_data else "--val-data"
         urls = expand_urls(args.zeroshot_data or args.val_data, flag)
         sets.append(ZeroShotSet(classes.name, classes.classnames, classes.templates,
-                                ShardSource(urls, classes, flag), flag))
+                                ShardSource(urls, classes.classnames, classes.json_label, flag), flag))
     for flag, prefix, numeric in (("--imagenet-val", "imagenet", False), ("--imagenet-v2", "imagenetv2", True)):
         root = getattr(args, flag[2:].replace("-", "_"))
         if root:
-            from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
-
             source = FolderSource(root, flag, numeric, len(IMAGENET_CLASSNAMES))
             sets.append(ZeroShotSet(prefix, list(IMAGENET_CLASSNAMES), list(OPENAI_IMAGENET_TEMPLATES), source, flag))
     return sets
@@ -316,10 +178,6 @@ class ZeroShot:
 
     @torch.no_grad()
     def evaluate_set(self, model, zs: ZeroShotSet, autocast) -> Tuple[float, float]:
-        from open_clip import build_zero_shot_classifier
-
-        from ..naflex import normalize_patches
-
         with autocast():
             classifier = build_zero_shot_classifier(model, self.tokenizer, zs.classnames, zs.templates,
                                                     num_classes_per_batch=10, device=self.device)
@@ -347,8 +205,6 @@ class ZeroShot:
         return due(epoch, self.frequency, self.epochs)
 
     def __call__(self, task, epoch: int, autocast) -> Dict[str, float]:
-        from ..tasks import unwrap
-
         if not self.due(epoch):
             return {}
         model = unwrap(task.trainable_module)
@@ -372,6 +228,4 @@ def make_zero_shot(args, model, world, device) -> Optional[ZeroShot]:
     sets = image_sets(args)
     if not sets:
         return None
-    from open_clip.tokenizer import SimpleTokenizer
-
     return ZeroShot(sets, SimpleTokenizer(context_length=model.context_length), args, device)

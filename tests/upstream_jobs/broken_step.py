@@ -9,7 +9,7 @@ in place of the step the patch installs; the others get the fixed step.
 import os
 import sys
 
-from naflex_accum import patch
+from naflex_accum.upstream import patch
 from naflex_accum.openclip import main
 from naflex_accum.testing.bugs import bug_step
 

@@ -128,18 +128,18 @@ def main():
     import open_clip_train.train as train
 
     fix_sample_order()
-    from naflex_accum.modes import MODES, get_step
+    from naflex_accum.accum.modes import ACCUM_MODES, get_step
     from open_clip_train.precision import get_autocast
 
     upstream_step = train._train_step_eager
     runs = {}
-    for mode in MODES:
+    for mode in ACCUM_MODES:
         with naflex_accum.patched(mode=mode):
             runs[mode] = run_trainer(mode)
     runs["upstream"] = run_trainer("upstream")
     assert train._train_step_eager is upstream_step
 
-    first = runs[MODES[0]]
+    first = runs[ACCUM_MODES[0]]
     task, optimizer = copy.deepcopy(first["init"])
     init = weights(task)
     ref_args = copy.copy(first["args"])
@@ -156,7 +156,7 @@ def main():
                          for seen in runs.values()),
         "update_norm": relative(reference, init, {k: torch.zeros_like(v) for k, v in init.items()}),
         "rel_err": {name: relative(seen["after"], reference, init) for name, seen in runs.items()},
-        "overflow": {**{mode: overflow(get_step(mode), first) for mode in MODES},
+        "overflow": {**{mode: overflow(get_step(mode), first) for mode in ACCUM_MODES},
                      "upstream": overflow(upstream_step, first)},
     }))
 

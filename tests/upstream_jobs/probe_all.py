@@ -1,4 +1,4 @@
-"""``naflex_accum.probe`` on this upstream for each task kind; prints one JSON object.
+"""``naflex_accum.upstream.probe`` on this upstream for each task kind; prints one JSON object.
 
 Run with upstream's ``src`` first on PYTHONPATH. Also says whether the probe
 left the CPU random stream and the thread count as it found them.
@@ -11,7 +11,7 @@ import torch
 
 def main():
     import open_clip_train.train as train
-    from naflex_accum.probe import probe
+    from naflex_accum.upstream.probe import probe
 
     torch.set_num_threads(2)
     torch.manual_seed(7)

@@ -9,14 +9,14 @@ import json
 
 from naflex_accum import cli
 from naflex_accum.commands.verify import LOSSES
-from naflex_accum.modes import MODES
+from naflex_accum.accum.modes import ACCUM_MODES
 
 UPSTREAM_STEP = "open_clip_train.train:_train_step_eager"
 
 
 def cases():
     for loss in LOSSES:
-        for mode in MODES:
+        for mode in ACCUM_MODES:
             yield ["--loss", loss, "--accum-mode", mode]
         yield ["--loss", loss, "--step", UPSTREAM_STEP]
 

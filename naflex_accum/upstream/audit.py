@@ -18,10 +18,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .contract import split_result, task_result
-from .naflex import collate_patches, concat_batches, image_to_patches
-from .scales import window_loss_scale
-from .step import total_loss
+from ..accum.contract import split_result, task_result
+from ..accum.scales import window_loss_scale
+from ..accum.step import total_loss
+from ..accum.window import is_naflex_batch
+from ..data.patches import collate_patches, image_to_patches
+from ..models import create_coca_model, create_model
+from ..tasks import create_task, unwrap
 
 LOGIT_PARAMS = ("logit_scale", "logit_bias")
 
@@ -154,7 +157,6 @@ def isolated_cpu():
 
 
 def named_params(task):
-    from .tasks import unwrap
     return [(n, p) for n, p in unwrap(task.trainable_module).named_parameters() if p.requires_grad]
 
 
@@ -247,8 +249,6 @@ def default_task_factory(loss: str, stochastic: bool, **model_options):
     'clip'/'siglip': NaFlex CLIP (``naflex-tiny``); 'coca': a tiny dense CoCa
     (``models.create_coca_model``). ``model_options`` go to the model factory.
     """
-    from .models import create_coca_model, create_model
-    from .tasks import create_task
 
     torch.manual_seed(0)
     if loss == "coca":
@@ -318,3 +318,28 @@ def format_summary(results: List[AuditResult]) -> str:
                      f"{max(r.tower_rel_err for r in rs):.2e} | {span('logit_scale')} | {span('logit_bias')} | "
                      f"{ok}/{len(rs)} PASS |")
     return "\n".join(lines)
+
+
+def pad_batch(batch: Dict, seq_len: int) -> Dict:
+    """The same NaFlex batch with its sequence dimension zero-padded to ``seq_len``."""
+    image = batch["image"]
+    extra = seq_len - image["patches"].shape[1]
+    if extra < 0:
+        raise ValueError(f"cannot pad a batch of sequence length {image['patches'].shape[1]} down to {seq_len}.")
+    padded = {
+        "patches": torch.nn.functional.pad(image["patches"], (0, 0, 0, extra)),
+        "patch_coord": torch.nn.functional.pad(image["patch_coord"], (0, 0, 0, extra)),
+        "patch_valid": torch.nn.functional.pad(image["patch_valid"], (0, extra)),
+    }
+    return {**batch, "image": padded}
+
+
+def concat_batches(batches: List[Dict]) -> Dict:
+    """One batch holding every example of ``batches``, in order (NaFlex ones padded to the longest)."""
+    if not all(is_naflex_batch(b) for b in batches):
+        return {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+    seq_len = max(b["image"]["patches"].shape[1] for b in batches)
+    padded = [pad_batch(b, seq_len) for b in batches]
+    image = {key: torch.cat([b["image"][key] for b in padded]) for key in padded[0]["image"]}
+    rest = {key: torch.cat([b[key] for b in padded]) for key in padded[0] if key != "image"}
+    return {"image": image, **rest}

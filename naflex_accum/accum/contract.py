@@ -22,12 +22,8 @@ The generations (``../shared/UPSTREAM_CONTRACT.md``):
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from .scales import StepError
+from ..errors import ContractError
 from .window import LOGIT_KEYS
-
-
-class ContractError(StepError):
-    """A task or upstream loop that does not speak the contract the step was installed for (one line)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from typing import Dict, Optional
 import torch
 import torch.nn as nn
 
-from ..step import total_loss
+from ..accum.step import total_loss
+from ..models import create_model
 from ..tasks import ClipTask, _report, unwrap
 
 
@@ -78,8 +79,6 @@ class MutatingTask(ClipTask):
 
 def make_mutating_task(loss: str, stochastic: bool) -> MutatingTask:
     """``audit_case``'s ``make_task``: the built-in tiny NaFlex CLIP (SigLIP: with a logit bias) in a MutatingTask."""
-    from ..models import create_model
-
     torch.manual_seed(0)
     extra = dict(patch_dropout=0.5, drop_path=0.1, text_dropout=0.1) if stochastic else {}
     return MutatingTask(create_model("naflex-tiny", siglip=(loss == "siglip"), **extra))

@@ -9,35 +9,20 @@ forward pass.
 import math
 from typing import Optional, Sequence, Union
 
-MODES = ("none", "linear", "sqrt")
+from ..errors import StepError, is_positive_int
 
+LOSS_SCALES = ("none", "linear", "sqrt")
 
-class StepError(ValueError):
-    """A bad setting or input that the accumulation step refuses, in one line.
-
-    The step's own refusals (and the contract's, ``contract.ContractError``) are
-    of this class, so a runner can print them as one line where a traceback
-    from inside the step would otherwise reach the user.
-    """
-
-
-def is_int_at_least(value, minimum: int) -> bool:
-    # bool is an int subclass; a True batch size is a bug, not a 1.
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def is_positive_int(value) -> bool:
-    return is_int_at_least(value, 1)
 
 
 def validate_mode(mode: Optional[str]) -> str:
     """Normalise ``mode`` (``None`` means ``'none'``, as upstream) or raise."""
     if mode is None:
         return "none"
-    if mode not in MODES:
+    if mode not in LOSS_SCALES:
         raise StepError(
             f"--naflex-loss-scale {mode!r} is not a known mode; valid modes are "
-            f"{', '.join(MODES)}."
+            f"{', '.join(LOSS_SCALES)}."
         )
     return mode
 

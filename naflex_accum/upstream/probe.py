@@ -17,8 +17,12 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-from .contract import GENERATIONS, KNOWN_FORMS, LOSSES, REPORT, Contract, describe_value, form_of
-from .window import LOGIT_KEYS
+import torch
+
+from ..accum.contract import GENERATIONS, KNOWN_FORMS, LOSSES, REPORT, Contract, describe_value, form_of
+from ..accum.window import LOGIT_KEYS
+from . import tiny_tasks
+from .audit import GradProbe, isolated_cpu, named_params, random_window, window_spec
 
 STEP_NAME = "_train_step_eager"
 LOOP_NAME = "train_one_epoch"
@@ -99,10 +103,6 @@ def _upstream_args(**overrides):
 
 def _run_parts(original, make_task, kind: str, parts: Dict[str, str]) -> Dict[str, Optional[Contract]]:
     """Run the tiny task and upstream's own step; what generation each part showed (None: no known one)."""
-    import torch
-
-    from .audit import GradProbe, named_params, random_window, window_spec
-
     task = make_task(kind, False)
     task.train()
     window = random_window((1, 2), seed=0, spec=window_spec(kind))
@@ -139,9 +139,6 @@ def _run_parts(original, make_task, kind: str, parts: Dict[str, str]) -> Dict[st
 
 def probe(train_module, original, kind: str = "clip", make_task=None) -> Probe:
     """Probe ``original`` (upstream's step) in ``train_module`` with a tiny task of ``kind``."""
-    from . import upstream_tasks
-    from .audit import isolated_cpu
-
     parts: Dict[str, str] = {}
     unpacked = loop_unpacks(train_module)
     found: Dict[str, Optional[Contract]] = {}
@@ -151,10 +148,10 @@ def probe(train_module, original, kind: str = "clip", make_task=None) -> Probe:
     else:
         parts[LOOP_NAME] = f"its unpacking of {STEP_NAME} not found in its source"
     if make_task is None:
-        if not upstream_tasks.available():
+        if not tiny_tasks.available():
             return Probe(None, "open_clip.task has no CLIPTask, SigLIPTask and CoCaTask to probe the contract with",
                          parts)
-        make_task = upstream_tasks.task_factory
+        make_task = tiny_tasks.task_factory
     try:
         with isolated_cpu():
             found.update(_run_parts(original, make_task, kind, parts))

@@ -19,6 +19,8 @@ import os
 import tempfile
 from typing import Dict
 
+from ..models import fill_decoder_projection
+
 LOSSES = ("clip", "siglip", "coca")
 TASK_CLASSES = {"clip": "CLIPTask", "siglip": "SigLIPTask", "coca": "CoCaTask"}
 
@@ -137,8 +139,6 @@ def _build(name: str, loss: str, **extra):
     with _quiet("open_clip"):
         model = open_clip.create_model(name, output_dict=True, device="cpu", **extra)
     if loss == "coca":
-        from .models import fill_decoder_projection
-
         fill_decoder_projection(model)
     return model
 
@@ -154,8 +154,8 @@ def create_model(loss: str, stochastic: bool):
 
 def task_factory(loss: str, stochastic: bool):
     """``audit_case``'s ``make_task`` for upstream: (loss, stochastic) -> a seeded upstream task."""
-    import torch
     import open_clip.task as tasks
+    import torch
 
     torch.manual_seed(0)
     return getattr(tasks, TASK_CLASSES[loss])(create_model(loss, stochastic))

@@ -17,13 +17,13 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
-from .errors import UsageError
+from ..errors import SelfCheckFailed, UsageError
+from . import faults, tiny_tasks
+from .audit import VERIFY_SPLITS, audit_row, describe_row, isolated_cpu
+from .fingerprint import describe as describe_fingerprint, fingerprint
+from .patch import describe_contract, installed_step, open_clip_version, original_step
 
 ENV_VAR = "NAFLEX_ACCUM_VERIFY"
-
-
-class SelfCheckFailed(UsageError):
-    """The installed step failed its audit on this run's task (one line; the runner exits 2)."""
 
 
 @dataclass
@@ -59,21 +59,17 @@ def _through_module():
 
 
 def _audit(args, original) -> Outcome:
-    from . import faults, upstream_tasks
-    from .audit import VERIFY_SPLITS, audit_row, describe_row
-    from .fingerprint import fingerprint
-
     outcome = Outcome(rank=getattr(args, "rank", 0) or 0)
-    kind, why = upstream_tasks.run_kind(args)
+    kind, why = tiny_tasks.run_kind(args)
     if kind is None:
         outcome.error = why
         return outcome
-    make_task = upstream_tasks.run_task_factory(args, kind)
+    make_task = tiny_tasks.run_task_factory(args, kind)
     task_class = type(make_task(kind, False))
     outcome.task, outcome.fingerprint = task_class.__name__, fingerprint(original, task_class)
-    if outcome.task != upstream_tasks.TASK_CLASSES[kind]:
+    if outcome.task != tiny_tasks.TASK_CLASSES[kind]:
         outcome.error = (f"this run trains {outcome.task}, which naflex-accum does not verify (it verifies "
-                         f"{', '.join(upstream_tasks.TASK_CLASSES.values())})")
+                         f"{', '.join(tiny_tasks.TASK_CLASSES.values())})")
         return outcome
     mode = getattr(args, "naflex_loss_scale", None) or "none"
     step = _through_module()
@@ -87,8 +83,6 @@ def _audit(args, original) -> Outcome:
 
 def run(args, original) -> Outcome:
     """This rank's audit of the installed step on ``args``'s task; ``original`` is upstream's own step."""
-    from .audit import isolated_cpu
-
     start = time.time()
     try:
         with isolated_cpu(), warnings.catch_warnings():
@@ -139,12 +133,10 @@ def fail_line(reason: str) -> str:
 
 
 def _task_class(args):
-    from . import upstream_tasks
-
-    kind, _ = upstream_tasks.run_kind(args)
+    kind, _ = tiny_tasks.run_kind(args)
     try:
         import open_clip.task as tasks
-        return getattr(tasks, upstream_tasks.TASK_CLASSES[kind or "clip"])
+        return getattr(tasks, tiny_tasks.TASK_CLASSES[kind or "clip"])
     except (ImportError, AttributeError):
         return None
 
@@ -162,10 +154,6 @@ def check_run(args, mode: str) -> List[str]:
 
     Raises ``SelfCheckFailed`` on every rank when any rank's audit failed.
     """
-    from . import faults
-    from .fingerprint import describe as describe_fingerprint, fingerprint
-    from .patch import describe_contract, installed_step, open_clip_version, original_step
-
     step, original = installed_step(), original_step()
     args.naflex_accum_upstream = (f"open_clip {open_clip_version()}, "
                                   f"{describe_contract(step.contract if step is not None else None)}")

@@ -12,8 +12,8 @@ they arrive; the last one's caching forward runs *with* grad and keeps its graph
 (gradient sync off), the window's loss gradient through it is back-propagated
 first, then microbatches 0..k-2 are replayed, the last replay carrying the
 gradient sync and the logit terms. So a window costs one forward less than
-upstream's. ``reuse_last_graph = False`` gives the older order (every
-microbatch cached, then every one replayed), kept for benchmarks.
+upstream's. ``window_scale`` holds the scale of the last step made, for the
+training loop to log.
 
 Signature and return contract match upstream's, in the generation the step
 was built for (``contract.Contract``; ``None`` follows the task's own form):
@@ -33,9 +33,10 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..errors import StepError, is_positive_int
 from .contract import Contract, task_result
 from .rng import RngState
-from .scales import StepError, check_options, is_positive_int, window_is_naflex, window_loss_scale
+from .scales import check_options, window_is_naflex, window_loss_scale
 from .sync import grad_sync
 from .window import LOGIT_KEYS, Microbatch, Window, WindowCache, is_naflex_batch, microbatch_size
 
@@ -95,11 +96,10 @@ class AccumulationStep:
     ``state.result`` is the ``(losses, report, generation)`` of ``accum_loss``.
     """
 
-    reuse_last_graph = True  # False: the older order, every microbatch replayed (benchmarks only)
-
     def __init__(self, contract: Optional[Contract] = None):
         self.contract = contract  # None: answer in whichever generation the task speaks
         self.calls = self.steps = 0  # how often it was called, and made an optimizer step (diagnostics)
+        self.window_scale: Optional[float] = None  # the loss scale of the last step made
 
     # ---- hooks -----------------------------------------------------------
     def replay_scale(self, window: Window, j: int) -> float:
@@ -149,13 +149,12 @@ class AccumulationStep:
         cache = accum_features.setdefault(WINDOW_KEY, WindowCache())
         cache.microbatches.append(self.admit(task, batch, cache.microbatches, args))
         accum_batches.append(batch)
-        full = len(accum_batches) == k
-        if not (full and self.reuse_last_graph):
+        if len(accum_batches) < k:
             self.cache(task, batch, cache, autocast)
-        if not full:
             return None
 
         window = self.make_window(cache.microbatches, args)
+        self.window_scale = window.scale
         optimizer.zero_grad()
         losses, report, spoken = self.backward_window(task, window, cache, accum_batches, scaler, autocast)
         del accum_features[WINDOW_KEY]
@@ -185,20 +184,25 @@ class AccumulationStep:
         return Window(records, mode, scale, ref)
 
     def backward_window(self, task, window, cache, accum_batches, scaler, autocast):
-        """Every microbatch's backward, the final one synced and carrying the logit terms."""
+        """Every microbatch's backward, the final one synced and carrying the logit terms: the last
+        microbatch's caching forward runs with grad and its graph serves as its replay, then the others
+        are replayed."""
         k, module = len(accum_batches), task.trainable_module
-        replayed = list(range(k - 1)) if self.reuse_last_graph else list(range(k))
-        if self.reuse_last_graph:
-            # The last microbatch's caching forward, with grad: its graph serves as its replay.
-            with self.grad_sync(module, False):
-                with autocast():
-                    model_out = module(**accum_batches[-1])
-                cache.add(model_out)
-                state = self.prepare(task, window, cache, accum_batches, scaler, autocast)
-                self.backward_microbatch(task, window, state, k - 1, model_out, False, scaler, autocast)
-            del model_out
-        else:
+        with self.grad_sync(module, False):
+            with autocast():
+                model_out = module(**accum_batches[-1])
+            cache.add(model_out)
             state = self.prepare(task, window, cache, accum_batches, scaler, autocast)
+            self.backward_microbatch(task, window, state, k - 1, model_out, False, scaler, autocast)
+        del model_out
+        self.replay(task, window, state, accum_batches, range(k - 1), scaler, autocast)
+        losses, report, spoken = state.result
+        return detach_values(losses), detach_values(report), spoken
+
+    def replay(self, task, window, state, accum_batches, replayed, scaler, autocast) -> None:
+        """Replay microbatches ``replayed`` in order, each under its caching random state; the last one's
+        backward syncs the gradients."""
+        module, replayed = task.trainable_module, list(replayed)
         for j in replayed:
             final = j == replayed[-1]
             with self.grad_sync(module, final):
@@ -206,8 +210,6 @@ class AccumulationStep:
                     model_out = module(**accum_batches[j])
                 self.backward_microbatch(task, window, state, j, model_out, final, scaler, autocast)
             del model_out
-        losses, report, spoken = state.result
-        return detach_values(losses), detach_values(report), spoken
 
     def prepare(self, task, window, cache, accum_batches, scaler, autocast):
         raise NotImplementedError
@@ -221,6 +223,7 @@ class AccumulationStep:
         mode = check_options(getattr(args, "naflex_loss_scale", "none"), getattr(args, "batch_size", None), naflex)
         size = microbatch_size(task, batch, 0)
         scale = window_loss_scale([size], getattr(args, "batch_size", None), mode, naflex=naflex)
+        self.window_scale = scale
         optimizer.zero_grad()
         with autocast():
             losses, report, spoken = self.run_task(task, batch)

@@ -15,8 +15,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..errors import StepError, is_positive_int
 from .rng import RngState
-from .scales import StepError, is_positive_int
 
 LOGIT_KEYS = ("logit_scale", "logit_bias")
 

@@ -16,12 +16,12 @@ reference the pipeline is tested against).
 """
 import functools
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from timm.data.naflex_transforms import get_image_size_for_seq, patchify_image
 
-from .step import is_naflex_batch
+from .assemble import Pool
 
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP statistics, as open_clip
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -171,7 +171,6 @@ def _normalize_rows(patches: torch.Tensor, valid: torch.Tensor, shift: torch.Ten
     the normalise)."""
     global _host_memory
     if _host_memory is None:
-        from .data.assemble import Pool
         _host_memory = Pool(keep=4, dtype=torch.float32)  # a trainer holds a window's batches at most
     out = _host_memory.empty(tuple(patches.shape))
     for i, count in enumerate(valid.sum(1).tolist()):
@@ -249,28 +248,3 @@ def collate_uint8_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int
 def collate_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int) -> Dict[str, torch.Tensor]:
     """Stack per-image patch dicts, zero-padding each to ``seq_len`` (flat or unflattened patches)."""
     return _collate(items, seq_len)
-
-
-def pad_batch(batch: Dict, seq_len: int) -> Dict:
-    """The same NaFlex batch with its sequence dimension zero-padded to ``seq_len``."""
-    image = batch["image"]
-    extra = seq_len - image["patches"].shape[1]
-    if extra < 0:
-        raise ValueError(f"cannot pad a batch of sequence length {image['patches'].shape[1]} down to {seq_len}.")
-    padded = {
-        "patches": torch.nn.functional.pad(image["patches"], (0, 0, 0, extra)),
-        "patch_coord": torch.nn.functional.pad(image["patch_coord"], (0, 0, 0, extra)),
-        "patch_valid": torch.nn.functional.pad(image["patch_valid"], (0, extra)),
-    }
-    return {**batch, "image": padded}
-
-
-def concat_batches(batches: List[Dict]) -> Dict:
-    """One batch holding every example of ``batches``, in order (NaFlex ones padded to the longest)."""
-    if not all(is_naflex_batch(b) for b in batches):
-        return {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
-    seq_len = max(b["image"]["patches"].shape[1] for b in batches)
-    padded = [pad_batch(b, seq_len) for b in batches]
-    image = {key: torch.cat([b["image"][key] for b in padded]) for key in padded[0]["image"]}
-    rest = {key: torch.cat([b[key] for b in padded]) for key in padded[0] if key != "image"}
-    return {"image": image, **rest}

@@ -18,13 +18,15 @@ import contextlib
 import importlib
 import inspect
 import logging
-import os
 import sys
 import threading
 import warnings
 from typing import Callable, Optional
 
-from .modes import get_step, make_step, resolve_mode
+from ..accum.modes import get_step, make_step, resolve_mode
+from ..errors import PatchError
+from ..ranks import process_rank
+from .probe import probe
 
 TARGET_MODULE = "open_clip_train.train"
 TARGET_NAME = "_train_step_eager"
@@ -44,16 +46,11 @@ _announced = False
 CONTRACTS = "a task-and-step contract the fix knows"
 
 
-class PatchError(RuntimeError):
-    """The installed open_clip is not the one the patch was written for (one-line message)."""
-
-    def __init__(self, version: str, found: str, expected: str = EXPECTED):
-        self.version, self.expected, self.found = version, expected, found
-        self.missing = found == MISSING
-        super().__init__(
-            f"open_clip_torch {version}: cannot patch {TARGET}: expected {expected} (upstream open_clip "
-            f"main, 4.x dev, with NaFlex training), found {found}. {ANY_OPEN_CLIP}; "
-            f"install(force=True) patches anyway.")
+def patch_error(version: str, found: str, expected: str = EXPECTED) -> PatchError:
+    """The one line for an open_clip the patch cannot be installed on: what is there, what it needs."""
+    return PatchError(f"open_clip_torch {version}: cannot patch {TARGET}: expected {expected} (upstream open_clip "
+                      f"main, 4.x dev, with NaFlex training), found {found}. {ANY_OPEN_CLIP}; "
+                      f"install(force=True) patches anyway.", version, found, expected, found == MISSING)
 
 
 def open_clip_version() -> str:
@@ -99,7 +96,7 @@ def import_target():
     try:
         return importlib.import_module(TARGET_MODULE)
     except ImportError as exc:
-        raise PatchError(open_clip_version(), f"{TARGET_MODULE} cannot be imported ({exc})") from None
+        raise patch_error(open_clip_version(), f"{TARGET_MODULE} cannot be imported ({exc})") from None
 
 
 def is_ours(fn) -> bool:
@@ -129,8 +126,6 @@ def describe_contract(contract) -> str:
 
 def probe_contract(module, original):
     """What contract ``original`` (upstream's step in ``module``) and upstream's tasks have here (``probe.Probe``)."""
-    from .probe import probe
-
     return probe(module, original)
 
 
@@ -152,20 +147,6 @@ def installed_step():
     return current.step if is_ours(current) else None
 
 
-def _rank() -> int:
-    """This process's global rank: torch.distributed once initialised, else the launcher's variables."""
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:
-        pass
-    for var in ("RANK", "PMI_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
-        if os.environ.get(var, "").strip().isdigit():
-            return int(os.environ[var])
-    return 0
-
-
 def _announce(message: str) -> None:
     """Say ``message`` once per process, on rank 0 only.
 
@@ -174,7 +155,7 @@ def _announce(message: str) -> None:
     wherever an INFO record would be dropped the line goes to stderr instead.
     """
     global _announced
-    if _announced or _rank() != 0:
+    if _announced or process_rank() != 0:
         return
     _announced = True
     if _log.hasHandlers() and _log.isEnabledFor(logging.INFO):
@@ -192,19 +173,30 @@ def describe(mode: Optional[str] = None) -> str:
             f"{spoken})")
 
 
-def _check(module, current, force: bool, contract):
-    """The contract to install for (``None``: follow the task), and the probe that found it; raises PatchError."""
-    problem, found = contract_problem(current), None
-    expected = EXPECTED
-    if problem is None and contract is None:
-        found = probe_contract(module, current)
-        problem, contract, expected = found.problem, found.contract, CONTRACTS
+def gate(module, current, contract=None):
+    """The contract to install for on ``module`` whose step is ``current`` (``None``: follow the task), and the
+    probe that found it; ``PatchError`` when the signature, then the probed contract, fits no generation the fix
+    knows. ``install`` and ``naflex-accum verify`` both decide by it."""
+    problem = contract_problem(current)
     if problem is not None:
-        error = PatchError(open_clip_version(), problem, expected)
+        raise patch_error(open_clip_version(), problem)
+    if contract is not None:
+        return contract, None
+    found = probe_contract(module, current)
+    if found.problem is not None:
+        raise patch_error(open_clip_version(), found.problem, CONTRACTS)
+    return found.contract, found
+
+
+def _check(module, current, force: bool, contract):
+    """``gate``'s answer; with ``force``, a warning instead of its error (the step then follows each task)."""
+    try:
+        return gate(module, current, contract)
+    except PatchError as error:
         if not force:
-            raise error
+            raise
         warnings.warn(f"{error} Installing anyway because force=True.", RuntimeWarning, stacklevel=3)
-    return contract, found
+        return contract, None
 
 
 def install(force: bool = False, mode: Optional[str] = None, contract=None) -> Callable:

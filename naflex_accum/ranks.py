@@ -1,0 +1,23 @@
+"""Which process this is: the rank variables of every launcher, in open_clip's precedence.
+
+Invariant: the one list of launcher variables the package reads (torchrun, MPI/PMI, SLURM, Open MPI; the first
+found wins, as open_clip's ``world_info_from_env``), so the trainer's world (``train.distributed``) and the
+runner's rank-0-only messages (``upstream.patch``) never disagree on who rank 0 is.
+"""
+import os
+
+LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+RANK_VARS = ("RANK", "PMI_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+WORLD_VARS = ("WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+def process_rank() -> int:
+    """This process's global rank: torch.distributed's once initialised, else the launcher's variable, else 0."""
+    import torch.distributed as dist  # torch only when asked: the runner reads this before importing upstream
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for var in RANK_VARS:
+        if os.environ.get(var, "").strip().isdigit():
+            return int(os.environ[var])
+    return 0
