@@ -17,7 +17,7 @@ COMMANDS = {
     "demo": ("demo", "make the demo data if needed and train the tiny model on the CPU (~2 min)"),
     "train": ("train", "train a NaFlex CLIP/SigLIP on webdataset shards (open_clip flag names)"),
     "make-demo-data": ("make_demo_data", "write synthetic image-caption webdataset shards"),
-    "openclip": ("openclip", "run upstream open_clip main's trainer with the fixed step installed"),
+    "openclip": ("runner", "run upstream open_clip main's trainer with the fixed step installed"),
     "verify": ("verify", "audit split invariance of the step training would use, on this install"),
     "table": ("table", "print the full split-invariance table (docs/equivalence.md)"),
 }

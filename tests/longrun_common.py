@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from naflex_accum.testing.counted_step import CountedStep
+
 SRC = Path(__file__).resolve().parent.parent
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                   "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -78,23 +80,12 @@ def signal_at(monkeypatch, signum, microbatch: int):
     real = main.select_step
     calls = {"n": 0}
 
-    class Signalling:
-        """The run's step, sending the signal on its ``microbatch``-th call; the loop logs its ``window_scale``."""
+    def before(n):
+        calls["n"] = n
+        if n == microbatch:
+            os.kill(os.getpid(), signum)
 
-        def __init__(self, step):
-            self.step = step
-
-        def __call__(self, *a, **kw):
-            calls["n"] += 1
-            if calls["n"] == microbatch:
-                os.kill(os.getpid(), signum)
-            return self.step(*a, **kw)
-
-        @property
-        def window_scale(self):
-            return self.step.window_scale
-
-    monkeypatch.setattr(main, "select_step", lambda args: Signalling(real(args)))
+    monkeypatch.setattr(main, "select_step", lambda args: CountedStep(real(args), before))
     return calls
 
 

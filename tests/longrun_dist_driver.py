@@ -15,7 +15,7 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 OPS = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
        "gather_object", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-events, counts = [], {"steps": 0, "microbatches": 0}
+events = []
 
 
 def caller_module(depth=2):
@@ -32,7 +32,7 @@ def recording(name, fn):
                 frame = frame.f_back
                 module = frame.f_globals.get("__name__", "")
             if module.startswith("naflex_accum.train"):
-                events.append([counts["steps"], name, module])
+                events.append([steps[-1].steps if steps else 0, name, module])
         return fn(*args, **kwargs)
     return wrapper
 
@@ -40,33 +40,24 @@ def recording(name, fn):
 for op in OPS:
     setattr(dist, op, recording(op, getattr(dist, op)))
 
+from naflex_accum.testing.counted_step import CountedStep  # noqa: E402
 from naflex_accum.train import main as train_main  # noqa: E402
 
 real_select = train_main.select_step
 rank = int(os.environ["RANK"])
 
 
-class Counted:
-    """The run's step, counting its calls and steps; ``window_scale`` is the step's own (the loop logs it)."""
+steps = []  # the run's step, counting its optimizer steps
 
-    def __init__(self, step):
-        self.step = step
 
-    def __call__(self, *a, **kw):
-        counts["microbatches"] += 1
-        if rank == int(os.environ.get("STOP_RANK", -1)) and counts["microbatches"] == int(os.environ["STOP_MICROBATCH"]):
-            os.kill(os.getpid(), signal.SIGUSR1)
-        result = self.step(*a, **kw)
-        counts["steps"] += result is not None
-        return result
-
-    @property
-    def window_scale(self):
-        return self.step.window_scale
+def before(n):
+    if rank == int(os.environ.get("STOP_RANK", -1)) and n == int(os.environ["STOP_MICROBATCH"]):
+        os.kill(os.getpid(), signal.SIGUSR1)
 
 
 def select(args):
-    return Counted(real_select(args))
+    steps.append(CountedStep(real_select(args), before))
+    return steps[-1]
 
 
 train_main.select_step = select

@@ -153,7 +153,7 @@ def test_imagenet_val_and_v2_folders(tmp_path, monkeypatch):
     monkeypatch.setattr(open_clip, "OPENAI_IMAGENET_TEMPLATES", ("a photo of a {}.",))  # 1 template: fast
     synsets = [f"n{i:08d}" for i in range(1000)]
     imagenet_folder(tmp_path / "val", synsets, {3, 500, 501, 998})
-    imagenet_folder(tmp_path / "v2" / zeroshot.IMAGENET_V2_SUBFOLDER, [str(i) for i in range(1000)], {10, 999})
+    imagenet_folder(tmp_path / "v2" / labelled.IMAGENET_V2_SUBFOLDER, [str(i) for i in range(1000)], {10, 999})
     # 4 images: the val set is read by 2 loader workers, v2's 2 images in the main process
     args = eval_args(imagenet_val=str(tmp_path / "val"), imagenet_v2=str(tmp_path / "v2"), workers=2)
     sets = zeroshot.image_sets(args)

@@ -105,7 +105,8 @@ def demo_shards(tmp_path_factory) -> str:
 def upstream_env(src: Path, **extra: str) -> dict:
     """This environment with upstream's ``src`` first on PYTHONPATH; ``extra`` on top, ``None`` removes."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(src), *filter(None, [env.get("PYTHONPATH")])])
+    # upstream's src first (its open_clip over the released one), then this checkout's package
+    env["PYTHONPATH"] = os.pathsep.join([str(src), str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     for key, value in extra.items():
         if value is None:
             env.pop(key, None)

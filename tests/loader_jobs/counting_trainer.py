@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from naflex_accum.testing.counted_step import CountedStep
 from naflex_accum.train import fsdp, main
 
 torch.set_num_threads(1)
@@ -31,13 +32,11 @@ def shard(model, world, args):
 
 
 def select_step(args):
-    step = real_select(args)
+    steps.append(CountedStep(real_select(args)))
+    return steps[-1]
 
-    def counted(*a, **k):
-        result = step(*a, **k)
-        counts["steps"] += result is not None
-        return result
-    return counted
+
+steps = []
 
 
 dist.reduce_scatter_single, fsdp.shard, main.select_step = reduce_scatter, shard, select_step
@@ -47,5 +46,6 @@ from naflex_accum import cli  # noqa: E402
 try:
     code = cli.entry(["train", *sys.argv[1:]])
 finally:
+    counts["steps"] = sum(step.steps for step in steps)
     Path(f"{os.environ['RECORD']}-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(counts))
 sys.exit(code)
