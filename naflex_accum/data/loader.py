@@ -15,7 +15,6 @@ torch's error in the main process, which ``workers.failure`` names in one line.
 import gc
 import logging
 import signal
-from collections import Counter
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -28,7 +27,7 @@ from .order import Segment, check_slots, default_slots
 from .pipeline import TrainStream, ValStream
 from .ring import Ring
 from .schedule import BatchSpec, DataConfig, Schedule
-from .index import listed_total, shard_sizes
+from .index import listed_total, same_file, shard_sizes
 from .samples import IMAGE_EXTS, Corruption, shard_samples
 from .shards import expand_sources, expand_urls, shard_weights
 from .slots import DataIndex
@@ -73,14 +72,15 @@ class _Counter:
             if len(self.logged) <= LOG_LIMIT:
                 log.warning("%s: %s %s", self.what, what, message)
             else:
-                log.warning("%s: further corrupt samples are counted in stats['corrupt'] only", self.what)
+                log.warning("%s: further unusable samples are counted, not logged one by one", self.what)
 
     def close(self):
         if not self.stats["corrupt"] and not self.stats.get("standins"):
             return
         if self.train:
-            log.warning("%s: %d unusable samples; %d rows stood in by other samples of their slots (%d used)",
-                        self.what, self.stats["corrupt"], self.stats["standins"], self.stats["samples"])
+            log.warning("%s: %d rows' samples were unusable; %d rows took a stand-in (another sample of their "
+                        "slot; %d rows in all)", self.what, self.stats["corrupt"], self.stats["standins"],
+                        self.stats["samples"])
         else:
             log.warning("%s: skipped %d corrupt samples (%d used)", self.what, self.stats["corrupt"],
                         self.stats["samples"])
@@ -176,7 +176,7 @@ class TrainLoader:
                              f"({num_tokens}), not both: each sizes the epoch")
         self.slots = check_slots(default_slots(cfg.world_size, cfg.workers) if cfg.slots is None else cfg.slots,
                                  cfg.world_size)
-        self.index = _data_index(cfg)
+        self.index = cfg.index if cfg.index is not None else data_index(cfg)
         if num_samples is None and num_tokens is None:
             num_samples = self.index.total  # the default epoch: the data set, once
         self._target = (num_samples, num_tokens)
@@ -211,8 +211,9 @@ class TrainLoader:
             what = "each sample once" if epoch == total else "each sample at most once"
             return f"--train-data: {data}; an epoch of {epoch} samples holds {what}{left}"
         passes, rest = divmod(epoch, total)
+        more = f", and {rest} samples of one more" if rest else ""
         return (f"--train-data: {data}; an epoch of {epoch} samples is {passes} whole pass(es) over the data set, "
-                f"each its own order, and {rest} samples of one more{left}")
+                f"each its own order{more}{left}")
 
     def __len__(self) -> int:
         return self.num_batches
@@ -398,15 +399,22 @@ class ValLoader:
         counter.close()
 
 
-def _data_index(cfg: DataConfig) -> DataIndex:
-    """The shards of ``--train-data``, their sizes (``index.shard_sizes``), sources and resampling weights."""
+def data_index(cfg: DataConfig) -> DataIndex:
+    """The shards of ``--train-data``, their sizes (``index.shard_sizes``), sources and resampling weights.
+
+    A distributed run makes it once (on rank 0) and gives it to every rank (``DataConfig.index``): the ranks
+    must cut their epochs from the same sizes, whatever each would have counted of a flaky source.
+    """
     sources = expand_sources(cfg.train_data, "--train-data")
     urls = [url for source in sources for url in source]
-    twice = next((url for url, n in Counter(urls).items() if n > 1), None)
-    if twice is not None:
-        raise UsageError(f"--train-data lists shard {twice!r} twice: its samples would come twice an epoch, and "
-                         f"could meet in one batch; list each shard once (to weight sources: --dataset-resampled "
-                         f"with --train-data-upsampling-factors)")
+    seen = {}
+    for url in urls:
+        first = seen.setdefault(same_file(url), url)
+        if first is not url:
+            also = "" if first == url else f" (also as {first!r})"
+            raise UsageError(f"--train-data lists shard {url!r} twice{also}: its samples would come twice an "
+                             f"epoch, and could meet in one batch; list each shard once (to weight sources: "
+                             f"--dataset-resampled with --train-data-upsampling-factors)")
     weights = shard_weights(sources, cfg.upsampling_factors, bool(cfg.dataset_resampled))
     index = DataIndex(urls, shard_sizes(urls), [k for k, source in enumerate(sources) for _ in source], weights)
     if index.total == 0:
@@ -423,20 +431,23 @@ def _check_sizes(index: DataIndex, plan: Schedule, cfg: DataConfig, slots: int, 
                          f"--naflex-seq-lens {min(plan.seq_lens)}): a batch would hold a sample twice; add data or "
                          f"lower --naflex-max-tokens-per-batch")
     if epoch == 0:
-        what = (f"--train-num-samples {target[0]}" if target[0] is not None and target[0] != total
-                else f"the data set's {total} samples" if target[0] is not None
-                else f"--naflex-num-train-image-tokens {target[1]}")
+        if target[0] is None:
+            what, fix = f"--naflex-num-train-image-tokens {target[1]}", "raise it"
+        else:
+            what = f"--train-num-samples {target[0]}" if target[0] != total else f"the data set's {total} samples"
+            fix = "raise --train-num-samples" if target[0] != total else "add data"
         raise UsageError(f"{what} cannot fill one optimizer step ({world} rank(s) x {cfg.accum_freq} batches of "
-                         f"up to {largest}); raise --train-num-samples or lower --accum-freq or the token budget")
-    share = total // slots
-    if cfg.dataset_resampled and share < largest:
+                         f"up to {largest}); {fix}, or lower --accum-freq or --naflex-max-tokens-per-batch")
+    share, window = total // slots, plan.window_rows
+    if cfg.dataset_resampled and share < window:
         raise UsageError(f"--dataset-resampled: each of the {slots} data slots draws from its own {share} samples, "
-                         f"fewer than one batch ({largest}); lower --data-slots (or --workers), or add data")
-    if not cfg.dataset_resampled and epoch > total and share < 2 * largest:
+                         f"fewer than one optimizer step's rows ({window}); lower --data-slots (or --workers), or "
+                         f"add data")
+    if not cfg.dataset_resampled and epoch > total and share < 2 * window:
         raise UsageError(f"an epoch of {epoch} samples spans passes over the {total}-sample data set, and each of the "
-                         f"{slots} data slots' parts ({share}) must hold two batches ({2 * largest}) for passes to "
-                         f"meet without a repeat inside a batch; use --train-num-samples <= {total} with more "
-                         f"--epochs, or lower --data-slots (or --workers)")
+                         f"{slots} data slots' parts ({share}) must hold two optimizer steps' rows ({2 * window}) for "
+                         f"passes to meet without a repeat inside a step; use --train-num-samples <= {total} with "
+                         f"more --epochs, or lower --data-slots (or --workers)")
 
 
 def make_train_loader(cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False) -> TrainLoader:

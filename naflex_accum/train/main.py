@@ -105,6 +105,7 @@ def build_data(args, world, model, device):
     from open_clip.tokenizer import SimpleTokenizer
 
     from ..data import DataConfig, make_train_loader, make_val_loader
+    from ..data.loader import data_index
 
     tokenizer = SimpleTokenizer(context_length=model.context_length)
     cfg = DataConfig(
@@ -116,6 +117,8 @@ def build_data(args, world, model, device):
         seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size,
         timeout=args.data_timeout, slots=args.data_slots, image_decode=args.image_decode,
         sample_shuffle_size=args.sample_shuffle_size, **data_options(args))
+    # the shards and their sizes from rank 0, for every rank: all cut their epochs from the same sizes
+    cfg.index = on_master(world, data_index, cfg) if world.distributed else None
     train = make_train_loader(cfg, tokenizer, pin_memory=device.type == "cuda")
     val = None
     if args.val_data and world.is_master:
