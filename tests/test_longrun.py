@@ -228,6 +228,26 @@ def test_branches_never_overwrite_an_abandoned_folder(tmp_path):
     assert newest_loadable(ckpts)[0] == ckpts / "step_6.pt"
 
 
+def test_a_branch_from_another_file_system_copies_the_checkpoint_in(tmp_path, monkeypatch):
+    import errno
+
+    from naflex_accum.train import lineage
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+    monkeypatch.setattr(lineage.os, "link", cross_device)
+    (tmp_path / "other").mkdir()
+    torch.save({"epoch": 2, "global_step": 8, "state_dict": {"w": torch.ones(3)}, "optimizer": {}},
+               tmp_path / "other/epoch_2.pt")
+    ckpts = tmp_path / "run/checkpoints"
+    ckpts.mkdir(parents=True)
+    branch = lineage.start_branch(ckpts, tmp_path / "other/epoch_2.pt", (8, 2, 0))
+    assert branch.moved == [] and branch.linked == ckpts / "epoch_2.pt"
+    assert not os.path.samefile(ckpts / "epoch_2.pt", tmp_path / "other/epoch_2.pt")
+    assert (ckpts / "epoch_2.pt").read_bytes() == (tmp_path / "other/epoch_2.pt").read_bytes()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch_2.pt"]  # no temporary file left
+
+
 def flip_values(path, key: str, count: int = 16) -> None:
     """Flip a mantissa bit in ``count`` values of tensor ``key`` inside the file's raw data (the zip still loads)."""
     tensor = torch.load(path, weights_only=True)["state_dict"][key]
@@ -277,3 +297,20 @@ def test_a_text_file_is_not_a_checkpoint(tmp_path, flag):
     with pytest.raises(UsageError, match=rf"{flag} .*empty.pt: not a torch checkpoint or safetensors file "
                                          r"\(it is empty\)"):
         load_payload(tmp_path / "empty.pt", flag=flag)
+
+
+def test_latest_never_restarts_a_run_whose_checkpoints_are_all_abandoned(setup, tmp_path, capsys):
+    """A top level emptied (by hand, or a branch start that died) while abandoned-N/ holds the run: --resume latest
+    refuses in one line instead of training from scratch in a folder with a history."""
+    shards, model, _ = setup
+    train_in_process(run_argv(shards, model, tmp_path, "gone", "--train-num-samples", "32", epochs=1, workers=0))
+    ckpts = tmp_path / "gone/checkpoints"
+    (ckpts / "abandoned-1").mkdir()
+    (ckpts / "epoch_1.pt").rename(ckpts / "abandoned-1/epoch_1.pt")
+    capsys.readouterr()
+    code = cli_main(["train", *run_argv(shards, model, tmp_path, "gone", "--train-num-samples", "32", "--resume",
+                                        "latest", workers=0)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert "holds no loadable checkpoint of the current branch, only abandoned ones (in abandoned-1/)" in err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["abandoned-1"]

@@ -13,8 +13,8 @@ every checkpoint of the top level is moved aside, and ``PATH`` is linked in
 (hard link, else an atomic copy) under its position's name (``epoch_K.pt``,
 ``step_G.pt``), so ``--resume latest`` continues the branch even before its
 first save. Otherwise a file whose position cannot be read stays where it is
-(``--resume latest`` skips it too). Rank 0 does this once
-every check of the start has passed (``rundir``).
+(``--resume latest`` skips it too). Rank 0 does this once every check of the
+start has passed (``rundir``).
 """
 import logging
 import os
@@ -80,22 +80,27 @@ def _name_for(where: Tuple[int, int, int]) -> str:
     return f"step_{global_step}.pt" if step_in_epoch else f"epoch_{epoch}.pt"
 
 
-def _link_in(source: Path, target: Path) -> None:
-    """``target`` becomes ``source``'s content: a hard link, else (another file system) an atomic copy."""
+def _stage(source: Path, target: Path) -> Path:
+    """``source``'s content at a hidden temporary name next to ``target`` (a hard link, else, on another file
+    system, a copy); a stale one is removed at the next start, like a save's."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
-        os.link(source, target)
-        return
-    except OSError:
-        pass
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")  # a stale one is removed at the next start
-    try:
-        shutil.copyfile(source, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise WriteError(target, exc) from None
+    return tmp
+
+
+def abandoned_folders(folder: Path) -> List[Path]:
+    return sorted(p for p in folder.iterdir() if ABANDONED_RE.match(p.name) and p.is_dir()) \
+        if folder.is_dir() else []
 
 
 def _move(doomed: List[Path], folder: Path) -> Path:
@@ -120,6 +125,8 @@ def start_branch(folder: Path, resumed: Path, where: Tuple[int, int, int]) -> Br
     present = checkpoint_files(folder)
     outside = not any(_same_file(path, resumed) for path in present)
     branch = Branch(moved=sorted(present) if outside else further_than(folder, where, resumed))
+    # staged before anything moves: a failed link or copy leaves the folder as it was
+    staged = _stage(resumed, folder / _name_for(where)) if outside else None
     if branch.moved:
         branch.dest = _move(branch.moved, folder)
         which = (f"which is not among the checkpoints of {folder}: a new branch of the run starts there. Moved its "
@@ -128,9 +135,12 @@ def start_branch(folder: Path, resumed: Path, where: Tuple[int, int, int]) -> Br
                  f"the {len(branch.moved)} checkpoint(s) further into the run")
         log.info(f"Resumed {resumed}, {which} ({', '.join(p.name for p in branch.moved)}) to {branch.dest}/; "
                  f"--resume {branch.dest}/NAME goes back to one of them")
-    if outside:
+    if staged is not None:
         branch.linked = folder / _name_for(where)
-        _link_in(resumed, branch.linked)
+        try:
+            os.replace(staged, branch.linked)
+        except OSError as exc:
+            raise WriteError(branch.linked, exc) from None
         log.info(f"Linked {resumed} in as {branch.linked}, the start of this line (--resume latest continues it)")
     fsync_dir(folder)
     return branch

@@ -13,7 +13,8 @@ setting has been checked; a start refused (``UsageError``) before it trained a
 step or saved a checkpoint leaves no folder it created behind, so the same
 ``--name`` starts again, while a folder it resumed, or one holding a trained
 step's log, keeps everything; ``params.txt`` and each resume's
-``params-resume-*.txt`` are never overwritten.
+``params-resume-*.txt`` are never overwritten; ``--resume latest`` never starts
+afresh a run whose checkpoints are all abandoned (``lineage``).
 """
 import errno
 import fcntl
@@ -29,7 +30,7 @@ from typing import Any, Optional, Tuple
 
 from ..errors import UsageError
 from .checkpoint import MOST_RECENT, WriteError, load_checkpoint, newest_loadable, position, remove_stale_temps
-from .lineage import start_branch
+from .lineage import abandoned_folders, start_branch
 from .logs import setup_logging, write_params
 
 log = logging.getLogger("naflex_accum")
@@ -215,6 +216,11 @@ def _claim_on_master(args, claim: Claim) -> tuple:
             log.info(f"Removed {stale}, left by a save that never finished")
     if args.resume == "latest":
         claim.resume, claim.payload = newest_loadable(paths.checkpoints)
+        abandoned = abandoned_folders(paths.checkpoints)
+        if claim.resume is None and abandoned:  # the run is not new: never restart it from scratch
+            raise UsageError(f"--resume latest: {paths.checkpoints} holds no loadable checkpoint of the current "
+                             f"branch, only abandoned ones (in {', '.join(p.name for p in abandoned)}/); resume "
+                             f"one of them with --resume PATH")
     elif args.resume is not None:
         claim.resume, claim.payload = Path(args.resume), load_checkpoint(args.resume)
         claim.where = position(claim.payload)
