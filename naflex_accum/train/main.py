@@ -162,6 +162,9 @@ def run(args, world, device) -> dict:
     claim = claim_run(args, world)
     try:
         return _run(args, world, device, claim)
+    except UsageError:
+        claim.discard()  # a refused start leaves no folder it made, unless it trained a step or saved there
+        raise
     finally:
         claim.release()
 
@@ -177,11 +180,11 @@ def _run(args, world, device, claim) -> dict:
                        data_listing=train_data.index.listing())
     if claim.resume is not None:
         _resume(state, model, claim, args, world)
+    claim.watch(state)
     # laid out once for the run: a resume at another world size keeps the saved steps per epoch (loop.lr_position)
     state.scheduler = make_scheduler(optimizer, args.lr, args.warmup, state.lr_steps_per_epoch * args.epochs,
                                      args.lr_scheduler)
     create_run_folder(claim, args, world)  # everything above is checked: only now is the folder made or changed
-    setup_logging(paths.log_file if world.is_master else None, world.is_master)
     stop = StopRequest(paths.stop_file, world)
     stop.clear()
     saver = Saver(paths, args, world, model, last_good=claim.resume)
@@ -218,9 +221,9 @@ def _run(args, world, device, claim) -> dict:
             metrics = run_evals(state.epoch) or metrics
             saver.save_epoch(state)
     except Preempted:
-        saved = saver.save_stop(state)
-        exit_code = EXIT_STOPPED
-        log.info(f"Stopped on request ({stop.reason()}) after step {state.step_in_epoch} of epoch {state.epoch}: "
+        saved, exit_code, reason = saver.save_stop(state), EXIT_STOPPED, stop.reason()
+        stop.served()  # answered: the next start must not meet this STOP file
+        log.info(f"Stopped on request ({reason}) after step {state.step_in_epoch} of epoch {state.epoch}: "
                  f"saved {saved}; continue with --resume latest (exit {EXIT_STOPPED})")
     except (NonFiniteLoss, NonFiniteWeights) as exc:
         step = exc.global_step if isinstance(exc, NonFiniteLoss) else state.global_step
