@@ -18,9 +18,15 @@ samples as undecodable without the skip decoding anything. ``readable(data)`` is
 the read-time check: a known signature, else Pillow identifies the format. For a
 JPEG the header walk also reads the frame (kind, sample precision, components)
 and any EXIF orientation, which make ``ImageInfo.scalable``: whether ``decode``'s
-DCT-scaled path would convert it exactly as ``decode_rgb`` does.
+DCT-scaled path would convert it exactly as ``decode_rgb`` does. The header also gives
+the samples per pixel and their depth, from which ``peak_bytes(info)`` bounds the
+memory ``decode_rgb`` takes at once (its decoder's output, the one copy made of
+it, the result), before anything is decoded: whole-image intermediates are never
+wider than a byte a sample (16-bit samples are read through a view of their high
+bytes, alpha is composited a strip of rows at a time).
 """
 import io
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -29,6 +35,11 @@ import torch
 _JPEG, _PNG, _WEBP = "jpeg", "png", "webp"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _WHITE = 255
+_HIGH_BYTE = 1 if sys.byteorder == "little" else 0  # of a native uint16 sample
+STRIP_PIXELS = 1 << 16  # pixels composited at once: int32 intermediates of a strip, never of the whole image
+# Bytes a pixel Pillow's path may hold at once: its image (4 bytes a pixel for most modes), a converted copy, the
+# bytes and the numpy array Pillow's array interface makes of that, and the result (measured: docs/data.md)
+PILLOW_BYTES_PER_PIXEL = 18
 
 
 class ImageInfo(NamedTuple):
@@ -39,6 +50,7 @@ class ImageInfo(NamedTuple):
     bits16: bool = False
     torchvision: bool = True
     scalable: bool = False  # a JPEG that a DCT-scaled decode converts as decode_rgb does (``decode``)
+    channels: int = 3  # samples per pixel the file stores (grey 1, grey+alpha 2, colour 3, with alpha or CMYK 4)
 
 
 def sniff(data: bytes):
@@ -117,9 +129,12 @@ def _jpeg(data: bytes) -> ImageInfo:
             # decode converts exactly as the full one (12-bit, CMYK, lossless, EXIF rotations go the full way)
             scalable = frame[0] in (0xC0, 0xC1, 0xC2) and frame[1] == 8 and frame[2] in (1, 3) \
                 and orientations in ([], [1])
-            return ImageInfo(_JPEG, *size, scalable=scalable)
+            return ImageInfo(_JPEG, *size, scalable=scalable, channels=frame[2])
         pos += 2 + length
     raise ValueError("JPEG data ends before its first scan")
+
+
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}  # by colour type (a palette expands to colour)
 
 
 def _png(data: bytes) -> ImageInfo:
@@ -131,7 +146,8 @@ def _png(data: bytes) -> ImageInfo:
         kind = data[pos + 4:pos + 8]
         if kind == b"IEND":
             # torchvision ignores a grey or RGB colour key (tRNS outside a palette): Pillow applies it
-            return ImageInfo(_PNG, height, width, alpha, depth == 16, torchvision=not key)
+            return ImageInfo(_PNG, height, width, alpha, depth == 16, torchvision=not key,
+                             channels=_PNG_CHANNELS.get(colour, 4) + (alpha and colour in (0, 2, 3)))
         if kind == b"tRNS":
             alpha, key = True, colour in (0, 2)
         pos += 12 + _be(data[pos:pos + 4])
@@ -146,12 +162,13 @@ def _webp(data: bytes) -> ImageInfo:
         return ImageInfo(_WEBP, _le(data[28:30]) & 0x3FFF, _le(data[26:28]) & 0x3FFF)
     if kind == b"VP8L":
         bits = _le(data[21:25])
-        return ImageInfo(_WEBP, 1 + ((bits >> 14) & 0x3FFF), 1 + (bits & 0x3FFF), bool(bits >> 28 & 1))
+        alpha = bool(bits >> 28 & 1)
+        return ImageInfo(_WEBP, 1 + ((bits >> 14) & 0x3FFF), 1 + (bits & 0x3FFF), alpha, channels=3 + alpha)
     if kind == b"VP8X":
         flags = data[20]
         # torchvision ignores EXIF orientation in WebP and reads no animation: Pillow takes those
         return ImageInfo(_WEBP, 1 + _le(data[27:30]), 1 + _le(data[24:27]), bool(flags & 0x10),
-                         torchvision=not flags & 0x0A)
+                         torchvision=not flags & 0x0A, channels=3 + bool(flags & 0x10))
     raise ValueError(f"WebP with an unknown chunk {kind!r}")
 
 
@@ -171,7 +188,24 @@ def inspect(data: bytes) -> ImageInfo:
         return _check_pixels({_JPEG: _jpeg, _PNG: _png, _WEBP: _webp}[fmt](data))
     from PIL import Image
     with Image.open(io.BytesIO(data)) as img:  # Pillow raises its own DecompressionBombError
-        return ImageInfo(img.format or "unknown", img.height, img.width, torchvision=False)
+        return ImageInfo(img.format or "unknown", img.height, img.width, torchvision=False,
+                         bits16=img.mode.startswith("I;16"), channels=len(img.getbands()))
+
+
+def peak_bytes(info: ImageInfo) -> int:
+    """About the most memory ``decode_rgb`` holds at once for ``info``'s image, from its header alone: the
+    decoder's output (torchvision's: 3 samples a pixel, 4 with alpha, 2 bytes each at 16 bits), the one uint8
+    copy made of it (composited over white, or the high bytes of 16-bit samples), Pillow's images and arrays,
+    and half a byte a pixel for the strips and the resize's intermediate rows."""
+    pixels = info.height * info.width
+    if not info.torchvision:
+        per_pixel = PILLOW_BYTES_PER_PIXEL
+    elif info.format == _JPEG:
+        per_pixel = 3  # decode_jpeg converts grey, CMYK and YCCK to RGB as it goes
+    else:
+        per_pixel = (4 if info.alpha else 3) * (2 if info.bits16 else 1) + (3 if info.alpha or info.bits16 else 0)
+        per_pixel += info.format == _WEBP and info.alpha  # libwebp's alpha plane
+    return per_pixel * pixels + pixels // 2
 
 
 def channels_last(img: torch.Tensor) -> torch.Tensor:
@@ -183,10 +217,26 @@ def channels_last(img: torch.Tensor) -> torch.Tensor:
 
 
 def over_white(rgba: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[4, H, W]`` RGBA -> ``[3, H, W]`` RGB composited over white, rounded to nearest."""
-    alpha = rgba[3:].to(torch.int32)
-    out = (rgba[:3].to(torch.int32) * alpha + _WHITE * (255 - alpha) + 127) // 255
-    return channels_last(out.to(torch.uint8))
+    """uint8 ``[4, H, W]`` RGBA -> ``[3, H, W]`` RGB (channels-last) composited over white, rounded to nearest.
+
+    ``STRIP_PIXELS`` pixels at a time, in place: the int32 arithmetic never spans the whole image."""
+    _, h, w = rgba.shape
+    out = torch.empty((h, w, 3), dtype=torch.uint8)
+    rows = max(1, STRIP_PIXELS // max(1, w))
+    for y in range(0, h, rows):
+        strip = rgba[:, y:y + rows]
+        alpha = strip[3:].to(torch.int32)
+        mixed = strip[:3].to(torch.int32).mul_(alpha)
+        mixed.add_(alpha.neg_().add_(255).mul_(_WHITE)).add_(127).div_(255, rounding_mode="floor")
+        out[y:y + rows].copy_(mixed.permute(1, 2, 0))
+    return out.permute(2, 0, 1)
+
+
+def high_bytes(img: torch.Tensor) -> torch.Tensor:
+    """uint16 ``[C, H, W]`` (channels-last memory, as torchvision's decoders give) -> a uint8 view of each
+    sample's high byte (``v >> 8``), with no copy."""
+    hwc = channels_last(img).permute(1, 2, 0)
+    return hwc.view(torch.uint8)[..., _HIGH_BYTE::2].permute(2, 0, 1)
 
 
 _quiet = False
@@ -214,7 +264,7 @@ def _torchvision(data: bytes, info: ImageInfo) -> torch.Tensor:
     if info.format == _PNG:
         img = decode_png(raw, mode=mode, apply_exif_orientation=True)
         if info.bits16:
-            img = (img.to(torch.int32) >> 8).to(torch.uint8)
+            img = high_bytes(img)
     else:
         img = decode_webp(raw, mode=mode)
     return over_white(img) if info.alpha else img
@@ -233,8 +283,9 @@ def _pillow(data: bytes) -> torch.Tensor:
         if mode == "F":
             raise ValueError("a floating-point image (mode F) has no defined 8-bit scale")
         if mode.startswith("I"):  # I;16, I;16B, I;16L, I;16N, I: 16-bit (or 32-bit integer) grey
-            grey = np.asarray(img).astype(np.int64)
-            if grey.size and (grey.min() < 0 or grey.max() > 0xFFFF):
+            grey = np.asarray(img)  # uint16, or int32 for mode I: shifted as it is, never widened
+            wide = grey.dtype.kind != "u" or grey.dtype.itemsize > 2
+            if grey.size and wide and (grey.min() < 0 or grey.max() > 0xFFFF):
                 raise ValueError(f"a mode {mode} image with values outside 0..65535 has no defined 8-bit scale")
             planes = [(grey >> 8).astype(np.uint8)] * 3
             if key is None:
