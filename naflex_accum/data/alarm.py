@@ -9,8 +9,10 @@ so no ``except Exception`` of the pipeline takes it for a bad sample; every
 stream is closed on its way out, and the wait raises ``LoaderTimeout`` (a
 ``TransientError``: exit 74) within moments of the timeout. The timer is stopped
 and the previous SIGALRM handler put back when the wait ends. Only the main
-thread takes signals: elsewhere, or with no timeout, the wait is not bounded, and
-a read stuck inside the kernel (a hard NFS mount) is out of any signal's reach.
+thread takes signals: elsewhere, with no timeout, or while another real-time
+timer is armed (pytest-timeout's, say: there is one such timer a process, and it
+is left as it is), the wait is not bounded; a read stuck inside the kernel (a
+hard NFS mount) is out of any signal's reach.
 Loader workers are watched by ``workers``' watchdog instead.
 """
 import contextlib
@@ -33,7 +35,8 @@ class _Expired(BaseException):
 def bounded(timeout: float, what: str = "no batch came from the loader (reading in this process) for"):
     """``with bounded(timeout): next(source)``: raises ``LoaderTimeout`` once the block has run ``timeout`` seconds
     ("{what} {timeout} s (--data-timeout)")."""
-    if timeout <= 0 or threading.current_thread() is not threading.main_thread():
+    if timeout <= 0 or threading.current_thread() is not threading.main_thread() \
+            or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
         yield
         return
     state = {"armed": True, "killed": []}

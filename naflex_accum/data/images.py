@@ -18,12 +18,12 @@ samples as undecodable without the skip decoding anything. ``readable(data)`` is
 the read-time check: a known signature, else Pillow identifies the format. For a
 JPEG the header walk also reads the frame (kind, sample precision, components)
 and any EXIF orientation, which make ``ImageInfo.scalable``: whether ``decode``'s
-DCT-scaled path would convert it exactly as ``decode_rgb`` does. The header also gives
-the samples per pixel and their depth, from which ``peak_bytes(info)`` bounds the
-memory ``decode_rgb`` takes at once (its decoder's output, the one copy made of
-it, the result), before anything is decoded: whole-image intermediates are never
-wider than a byte a sample (16-bit samples are read through a view of their high
-bytes, alpha is composited a strip of rows at a time).
+DCT-scaled path would convert it exactly as ``decode_rgb`` does. From the header's
+size, sample depth and alpha, ``peak_bytes(info)`` bounds the memory ``decode_rgb``
+holds at once (its decoder's output, the one copy made of it, the result), before
+anything is decoded: no whole-image intermediate is wider than a byte a sample
+(16-bit samples are read through a view of their high bytes, alpha is composited
+a strip at a time, in place).
 """
 import io
 import sys
@@ -50,7 +50,6 @@ class ImageInfo(NamedTuple):
     bits16: bool = False
     torchvision: bool = True
     scalable: bool = False  # a JPEG that a DCT-scaled decode converts as decode_rgb does (``decode``)
-    channels: int = 3  # samples per pixel the file stores (grey 1, grey+alpha 2, colour 3, with alpha or CMYK 4)
 
 
 def sniff(data: bytes):
@@ -129,12 +128,9 @@ def _jpeg(data: bytes) -> ImageInfo:
             # decode converts exactly as the full one (12-bit, CMYK, lossless, EXIF rotations go the full way)
             scalable = frame[0] in (0xC0, 0xC1, 0xC2) and frame[1] == 8 and frame[2] in (1, 3) \
                 and orientations in ([], [1])
-            return ImageInfo(_JPEG, *size, scalable=scalable, channels=frame[2])
+            return ImageInfo(_JPEG, *size, scalable=scalable)
         pos += 2 + length
     raise ValueError("JPEG data ends before its first scan")
-
-
-_PNG_CHANNELS = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}  # by colour type (a palette expands to colour)
 
 
 def _png(data: bytes) -> ImageInfo:
@@ -146,8 +142,7 @@ def _png(data: bytes) -> ImageInfo:
         kind = data[pos + 4:pos + 8]
         if kind == b"IEND":
             # torchvision ignores a grey or RGB colour key (tRNS outside a palette): Pillow applies it
-            return ImageInfo(_PNG, height, width, alpha, depth == 16, torchvision=not key,
-                             channels=_PNG_CHANNELS.get(colour, 4) + (alpha and colour in (0, 2, 3)))
+            return ImageInfo(_PNG, height, width, alpha, depth == 16, torchvision=not key)
         if kind == b"tRNS":
             alpha, key = True, colour in (0, 2)
         pos += 12 + _be(data[pos:pos + 4])
@@ -162,13 +157,12 @@ def _webp(data: bytes) -> ImageInfo:
         return ImageInfo(_WEBP, _le(data[28:30]) & 0x3FFF, _le(data[26:28]) & 0x3FFF)
     if kind == b"VP8L":
         bits = _le(data[21:25])
-        alpha = bool(bits >> 28 & 1)
-        return ImageInfo(_WEBP, 1 + ((bits >> 14) & 0x3FFF), 1 + (bits & 0x3FFF), alpha, channels=3 + alpha)
+        return ImageInfo(_WEBP, 1 + ((bits >> 14) & 0x3FFF), 1 + (bits & 0x3FFF), bool(bits >> 28 & 1))
     if kind == b"VP8X":
         flags = data[20]
         # torchvision ignores EXIF orientation in WebP and reads no animation: Pillow takes those
         return ImageInfo(_WEBP, 1 + _le(data[27:30]), 1 + _le(data[24:27]), bool(flags & 0x10),
-                         torchvision=not flags & 0x0A, channels=3 + bool(flags & 0x10))
+                         torchvision=not flags & 0x0A)
     raise ValueError(f"WebP with an unknown chunk {kind!r}")
 
 
@@ -188,8 +182,7 @@ def inspect(data: bytes) -> ImageInfo:
         return _check_pixels({_JPEG: _jpeg, _PNG: _png, _WEBP: _webp}[fmt](data))
     from PIL import Image
     with Image.open(io.BytesIO(data)) as img:  # Pillow raises its own DecompressionBombError
-        return ImageInfo(img.format or "unknown", img.height, img.width, torchvision=False,
-                         bits16=img.mode.startswith("I;16"), channels=len(img.getbands()))
+        return ImageInfo(img.format or "unknown", img.height, img.width, torchvision=False)
 
 
 def peak_bytes(info: ImageInfo) -> int:

@@ -414,7 +414,8 @@ def _data_index(cfg: DataConfig) -> DataIndex:
                          f"could meet in one batch; list each shard once (to weight sources: --dataset-resampled "
                          f"with --train-data-upsampling-factors)")
     weights = shard_weights(sources, cfg.upsampling_factors, bool(cfg.dataset_resampled))
-    with bounded(cfg.timeout, "counting the shards' samples had not ended after"):  # a pipe: command that hangs would hold the start
+    # a pipe: command that hangs would hold the start for ever (with workers too: the count runs here)
+    with bounded(cfg.timeout, "counting the shards' samples had not ended after"):
         sizes = shard_sizes(urls)
     index = DataIndex(urls, sizes, [k for k, source in enumerate(sources) for _ in source], weights)
     if index.total == 0:

@@ -87,7 +87,7 @@ class PipeStream:
         self.proc = subprocess.Popen([*_LEADER, self.command], stdout=subprocess.PIPE,
                                      bufsize=0, start_new_session=True,
                                      preexec_fn=functools.partial(_in_child, os.getpid()))
-        self.pid = self.proc.pid
+        self.pid, self.owner = self.proc.pid, os.getpid()
         _LIVE.add(self)
 
     def read(self, n: int = -1) -> bytes:
@@ -110,23 +110,33 @@ class PipeStream:
                 return None
             time.sleep(0.005)
 
+    def _failed(self, status: Optional[int]) -> Optional[str]:
+        return None if status is None or status in _FINE else f"pipe: command {self.command!r} {_status_text(status)}"
+
     def failure(self) -> Optional[str]:
         """Why the command failed, if it has exited non-zero (within a moment): what to say of output that broke."""
-        status = self._exited(0.1) if self.pid is not None else None
-        return None if status is None or status in _FINE else f"pipe: command {self.command!r} {_status_text(status)}"
+        return self._failed(self._exited(0.1)) if self.pid is not None else None
 
     def close(self, finished: bool = False) -> None:
         """End the command (see the module docstring); ``finished``: its output was read to the end."""
         if self.pid is None:
             return
-        _LIVE.discard(self)
-        self.proc.stdout.close()  # a command still writing gets SIGPIPE
-        status = self._exited(EXIT_GRACE) if finished else None
-        _kill_group(self.pid)  # the leader is unreaped, so its pid (the group's id) cannot have been reused
-        self.proc.wait()
-        self.pid = None
-        if status is not None and status not in _FINE:
-            raise PipeFailed(f"pipe: command {self.command!r} {_status_text(status)}")
+        if os.getpid() != self.owner:  # a forked copy (a loader worker's) of another process's stream: not ours to end
+            self.pid = None
+            self.proc.stdout.close()
+            return
+        status = None
+        try:
+            self.proc.stdout.close()  # a command still writing gets SIGPIPE
+            status = self._exited(EXIT_GRACE) if finished else None
+        finally:  # interrupted too (the in-process timeout's exception): no command is left behind
+            pid, self.pid = self.pid, None  # kill_all, from a signal handler, skips it from here on
+            _kill_group(pid)  # the leader is unreaped, so its pid (the group's id) cannot have been reused
+            self.proc.wait()
+            _LIVE.discard(self)
+        failed = self._failed(status)
+        if failed is not None:
+            raise PipeFailed(failed)
 
 
 def _kill_group(pgid: int) -> None:
@@ -138,7 +148,7 @@ def _kill_group(pgid: int) -> None:
 
 def kill_all() -> list:
     """SIGKILL the process group of every ``pipe:`` command this process has open; their pids."""
-    pids = [stream.pid for stream in list(_LIVE) if stream.pid is not None]
+    pids = [stream.pid for stream in list(_LIVE) if stream.pid is not None and stream.owner == os.getpid()]
     for pid in pids:
         _kill_group(pid)
     return pids

@@ -306,8 +306,7 @@ def main(argv=None, prog="naflex-accum train") -> int:
         what = transient(exc)
         if what is None:
             raise
-        print(f"{prog}: error: {what}; run again (with --resume latest once it saved) (exit {EXIT_LOADER})",
-              file=sys.stderr)
+        print(f"{prog}: error: {what}; run it again (exit {EXIT_LOADER})", file=sys.stderr)
         return EXIT_LOADER
     print_footer(result)
     return result["exit_code"]
