@@ -26,7 +26,6 @@ import sys
 import torch
 torch.set_num_threads(1)
 from naflex_accum.data import decode
-from naflex_accum.naflex import size_for_seq
 
 def status(field):
     with open("/proc/self/status") as f:

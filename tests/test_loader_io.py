@@ -176,8 +176,12 @@ def _python_children(pid: int) -> set:
 
 
 def _ignored(pid: int) -> set:
-    with open(f"/proc/{pid}/status") as f:
-        mask = int(next(line.split()[1] for line in f if line.startswith("SigIgn:")), 16)
+    """Which of SIGTERM, SIGUSR1 and SIGINT the process ``pid`` ignores (none if it is gone meanwhile)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = int(next(line.split()[1] for line in f if line.startswith("SigIgn:")), 16)
+    except OSError:
+        return set()
     return {sig for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT) if mask >> (sig - 1) & 1}
 
 
@@ -195,7 +199,7 @@ def test_pipe_commands_never_outlive_a_killed_run(shards, tmp_path, kill, worker
         assert len(trainer_and_workers) == 1 + workers
         _wait_for(tmp_path, proc, lambda: set(_processes_of(tmp_path)) - trainer_and_workers)
         commands = set(_processes_of(tmp_path)) - trainer_and_workers
-        ignoring = {pid: _ignored(pid) for pid in commands if _ignored(pid)}
+        ignoring = {pid: ignored for pid in commands if (ignored := _ignored(pid))}
         victim = proc.pid if kill == "trainer" else max(trainer_and_workers - {proc.pid})
         os.kill(victim, signal.SIGKILL)  # as the OOM killer kills: no handler runs
         code, _, out, errors = _ended(tmp_path, proc)

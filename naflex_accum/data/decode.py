@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 MODES = ("scaled", "full")  # --image-decode
 FACTORS = (8, 4, 2)  # libjpeg-turbo's DCT reductions whose IDCTs it vectorises; largest first
 # Bytes one image's decode may hold at once, in each process that decodes (a loader worker, or the trainer with
-# --workers 0): every plain RGB image under Pillow's pixel limit fits; an RGBA or 16-bit one of 100+ megapixels
-# (a few MB of PNG can hold that) does not
+# --workers 0): every 8-bit RGB JPEG, PNG or WebP under Pillow's pixel limit fits, a 16-bit RGBA PNG up to 93
+# megapixels (a few MB of PNG can hold more), one of Pillow's formats up to 58 (docs/data.md "Decode memory")
 DECODE_BUDGET = 1 << 30
 _simplejpeg = None
 
