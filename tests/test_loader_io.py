@@ -246,3 +246,43 @@ def test_a_failed_pipe_command_is_bad_data_named_by_its_status(shards):
     assert count_samples(f"pipe:cat {shard}; exit 3") == (160, f"PipeFailed: pipe: command 'cat {shard}; exit 3' "
                                                                f"exited with status 3")
     assert count_samples(f"pipe:cat {shard} | cat") == (160, None)  # a pipeline; SIGPIPE after the end is no error
+
+
+BOUNDED = r"""
+import signal, sys, time
+from naflex_accum.data import pipes
+from naflex_accum.data.alarm import LoaderTimeout, bounded
+
+def mine(signum, frame):
+    print("the previous handler ran")
+signal.signal(signal.SIGALRM, mine)
+with bounded(5):
+    time.sleep(0.01)  # done in time: nothing raised
+assert signal.getsignal(signal.SIGALRM) is mine and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+for timeout in (1e-6, 0.5):  # one that expires before the block has begun, and one inside a blocked read
+    stream = pipes.PipeStream("pipe:sleep 1000")
+    started = time.monotonic()
+    try:
+        with bounded(timeout):
+            stream.read(1)
+        print("nothing raised")
+    except LoaderTimeout as exc:
+        print(f"{time.monotonic() - started:.1f} s: {exc}")
+    finally:
+        status = stream._exited(5.0)
+        stream.close()
+    print("command status", status)
+assert signal.getsignal(signal.SIGALRM) is mine
+"""
+
+
+def test_the_in_process_timeout_interrupts_a_blocked_read_and_kills_its_command():
+    """Red before: no in-process bound (``naflex_accum.data.alarm`` did not exist)."""
+    done = subprocess.run([sys.executable, "-c", BOUNDED], env=SUBPROCESS_ENV, capture_output=True, text=True,
+                          timeout=60)
+    out = done.stdout.splitlines()
+    assert done.returncode == 0 and len(out) == 4, done.stdout + done.stderr[-3000:]
+    for took, line in zip((0.0, 0.5), (out[0], out[2])):
+        assert line.startswith(f"{took:.1f} s: no batch came from the loader (reading in this process) for ") and \
+            "(--data-timeout): killed its pipe: command(s) (process groups " in line, out
+    assert out[1] == out[3] == "command status -9", out  # killed by the timeout's SIGKILL
