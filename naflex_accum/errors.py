@@ -1,12 +1,17 @@
 """User-facing errors.
 
 Invariant: a ``UsageError`` message is one line that names the flag or file at
-fault and what would be valid; the CLI prints it and exits 2, no traceback.
+fault and what would be valid; the CLI prints it and exits 2, no traceback. A
+``TransientError`` is one line too, for a failure that says nothing about the
+settings (storage gone mid-run, input that stopped coming): the trainer exits 74
+on it, which a cluster script may retry; ``storage_gone(errno)`` says which OS
+errors mean the storage went away, not that it is full or read-only.
 ``OneLineParser`` makes argparse's own errors (unknown flag, bad choice) follow
 the same rule instead of dumping the whole usage text; ``check_int`` is the one
 integer validator every setting goes through.
 """
 import argparse
+import errno as _errno
 from typing import Optional
 
 from .scales import is_int_at_least
@@ -14,6 +19,22 @@ from .scales import is_int_at_least
 
 class UsageError(ValueError):
     pass
+
+
+class TransientError(Exception):
+    """A failure of the input or of the storage that a later attempt may not meet: one line, exit 74."""
+
+
+# Errors of storage that went away (an NFS server, a FUSE mount, a network disk): a file that was there is not
+# (ENOENT), a stale handle, I/O errors and timeouts; not ENOSPC, EACCES, EROFS, EDQUOT: those need a person
+_GONE = ("ENOENT", "ESTALE", "EIO", "ENOTCONN", "ETIMEDOUT", "ENODEV", "ENXIO", "EHOSTDOWN", "EHOSTUNREACH",
+         "ECONNRESET", "ECONNABORTED", "ECONNREFUSED", "ENETDOWN", "ENETUNREACH", "ENETRESET", "ENOLINK", "ECOMM",
+         "EREMOTEIO")
+STORAGE_GONE = frozenset(getattr(_errno, name) for name in _GONE if hasattr(_errno, name))
+
+
+def storage_gone(errno: Optional[int]) -> bool:
+    return errno in STORAGE_GONE
 
 
 class OneLineParser(argparse.ArgumentParser):

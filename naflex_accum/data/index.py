@@ -7,8 +7,9 @@ from a count of each shard's samples (its key groups, ``samples.count_samples``)
 kept in a cache file (``cache_dir()``) and reused while the file's size and
 modification time are unchanged (``pipe:`` and remote URLs: while the URL is).
 A count reads every tar header of a local shard (seeking past the data) and the
-whole stream of a ``pipe:`` or remote one. A cache that cannot be written costs a
-count at each start, with one warning, never the run.
+whole stream of a ``pipe:`` (``pipes``) or remote one. A cache that cannot be
+written costs a count at each start, with one warning, never the run; a shard the
+OS cannot read raises ``samples.ShardReadError`` (exit 74), never a short count.
 """
 import hashlib
 import json
@@ -18,8 +19,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..errors import UsageError
-from .samples import count_samples
+from ..errors import TransientError, UsageError
+from .samples import count_samples, shard_error
 from .shards import local_path
 
 log = logging.getLogger("naflex_accum.data")
@@ -93,7 +94,10 @@ def _stamp(url: str) -> Optional[Tuple[int, int]]:
     path = local_path(url)
     if path is None:
         return None
-    info = os.stat(path)
+    try:
+        info = os.stat(path)
+    except OSError as exc:  # there a moment ago (expand_urls checked it): its storage failed
+        raise shard_error(url, exc) from None
     return info.st_size, info.st_mtime_ns
 
 
@@ -143,8 +147,8 @@ def shard_sizes(urls: Sequence[str], flag: str = "--train-data") -> List[int]:
         count, problem = count_samples(url)
         if problem is not None and stamp is None:
             # a pipe: or remote source that failed may work at the next start: no epoch is cut from a guess
-            raise UsageError(f"{flag}: cannot count the samples of {url!r} ({problem}); run again once it reads, "
-                             f"or list it in a {SIZES_FILE}")
+            raise TransientError(f"{flag}: cannot count the samples of {url!r} ({problem}); run again once it "
+                                 f"reads, or list it in a {SIZES_FILE}")
         counted[url] = count
         if problem is None:
             cached[url] = [stamp, count]

@@ -10,8 +10,10 @@ which are also logged (the first ``LOG_LIMIT`` distinct ones of an epoch
 individually, then a summary). The worker processes of a train loader live across
 epochs; with ``pin_memory`` (for CUDA) batches arrive in pinned memory. A worker
 that dies, raises or sends nothing for ``DataConfig.timeout`` seconds raises
-torch's error in the main process, which ``workers.failure`` names in one line.
+torch's error in the main process, which ``workers.failure`` names in one line;
+reading in this process, a wait that long raises ``alarm.LoaderTimeout``.
 """
+import functools
 import gc
 import logging
 import signal
@@ -20,6 +22,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..errors import UsageError, check_int
+from .alarm import bounded
 from .assemble import Pool, assemble
 from .decode import check_mode
 from .handover import Receiver
@@ -124,14 +127,16 @@ def _data_loader(dataset, workers: int, pin_memory: bool, persistent: bool = Fal
 def _iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -> Iterator:
     """``(batch, meta)`` from ``source`` (a dataset, or a DataLoader over one); pinned if asked (and CUDA is).
 
-    A wait of over ``timeout`` seconds (0: none) for the workers' next batch stops them (``workers``).
+    A wait of over ``timeout`` seconds (0: none) for the next batch stops the workers (``workers``), or, reading in
+    this process, the read and its ``pipe:`` commands (``alarm``).
     """
     source = iter(source)
     watch = register_workers(source, timeout)  # a failure names its worker; the run's end stops them all
+    waiting = watch.waiting if getattr(source, "_workers", None) else functools.partial(bounded, timeout)
     pin = pin_memory and torch.cuda.is_available()
     while True:
         raise_pending()  # a worker that died while the batch before was used fails the run here
-        with watch.waiting():
+        with waiting():
             try:
                 item = next(source, None)
             except Exception as exc:
@@ -291,7 +296,7 @@ class TrainLoader:
     def _source(self) -> Iterator:
         if self.cfg.workers == 0:
             stream = self.stream()
-            return _iterate(stream, self.pin_memory, Receiver(stream.flags))
+            return _iterate(stream, self.pin_memory, Receiver(stream.flags), self.cfg.timeout)
         if self._workers is None:  # built once: its workers read the shared position at each epoch's start
             self._ring = self._ring or self._make_ring()
             stream = self.stream(self._position, self._ring)
@@ -357,8 +362,9 @@ class ValLoader:
     """Every held-out sample once, in a fixed order, in batches of ``batch_size`` (the last may be smaller)."""
 
     def __init__(self, val_data: str, tokenizer: Callable, seq_len: int = 144, batch_size: int = 64,
-                 patch_size: int = 16, workers: int = 0, pin_memory: bool = False, decode: str = "scaled"):
-        self.urls = expand_urls(val_data, "--val-data")
+                 patch_size: int = 16, workers: int = 0, pin_memory: bool = False, decode: str = "scaled",
+                 timeout: float = 0.0):
+        self.urls, self.timeout = expand_urls(val_data, "--val-data"), timeout
         self.decode = check_mode(decode)
         self.seq_len = check_int(seq_len, "val seq_len", 1, "an integer >= 1")
         self.batch_size = check_int(batch_size, "val batch_size", 1, "an integer >= 1")
@@ -384,7 +390,7 @@ class ValLoader:
         stream = ValStream(self.urls, self.seq_len, self.batch_size, self.patch_size, self.tokenizer, self.decode)
         count = min(self.workers, len(self.urls))
         source = _iterate(_data_loader(stream, count, self.pin_memory) if count else stream, self.pin_memory,
-                          Receiver())
+                          Receiver(), self.timeout)
         try:
             for batch, meta in source:
                 if batch is None and "error" in meta:
@@ -416,7 +422,10 @@ def data_index(cfg: DataConfig) -> DataIndex:
                              f"epoch, and could meet in one batch; list each shard once (to weight sources: "
                              f"--dataset-resampled with --train-data-upsampling-factors)")
     weights = shard_weights(sources, cfg.upsampling_factors, bool(cfg.dataset_resampled))
-    index = DataIndex(urls, shard_sizes(urls), [k for k, source in enumerate(sources) for _ in source], weights)
+    # a pipe: command that hangs would hold the start for ever (with workers too: the count runs here)
+    with bounded(cfg.timeout, "counting the shards' samples had not ended after"):
+        sizes = shard_sizes(urls)
+    index = DataIndex(urls, sizes, [k for k, source in enumerate(sources) for _ in source], weights)
     if index.total == 0:
         raise UsageError(f"--train-data: its {len(urls)} shard(s) hold no samples (a sample is a run of tar members "
                          f"with one key: an image .{'/.'.join(IMAGE_EXTS)} and a .txt caption)")
@@ -457,6 +466,6 @@ def make_train_loader(cfg: DataConfig, tokenizer: Callable, pin_memory: bool = F
 
 def make_val_loader(val_data: str, tokenizer: Callable, seq_len: int = 144, batch_size: int = 64,
                     patch_size: int = 16, workers: int = 0, pin_memory: bool = False,
-                    decode: str = "scaled") -> ValLoader:
-    """The held-out loader (see ValLoader)."""
-    return ValLoader(val_data, tokenizer, seq_len, batch_size, patch_size, workers, pin_memory, decode)
+                    decode: str = "scaled", timeout: float = 0.0) -> ValLoader:
+    """The held-out loader (see ValLoader); ``timeout``: as ``DataConfig.timeout`` (0: none)."""
+    return ValLoader(val_data, tokenizer, seq_len, batch_size, patch_size, workers, pin_memory, decode, timeout)

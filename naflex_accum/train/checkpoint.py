@@ -44,11 +44,13 @@ PICKLE_START = b"\x80"  # torch.save's legacy format: a pickle of protocol 2 or 
 
 
 class WriteError(UsageError):
-    """A file of the run folder could not be written (full disk, no permission, ...)."""
+    """A file of the run folder could not be written (full disk, no permission, ...); ``errno``: the OS error's
+    (``errors.storage_gone`` tells the storage that went away, exit 74, from a setting to fix, exit 2)."""
 
     def __init__(self, path, exc: OSError):
         reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
         super().__init__(f"cannot write {path}: {reason}")
+        self.errno = exc.errno
 
 
 class _Writer:

@@ -8,13 +8,15 @@ everything is built and checked before the run folder is created or changed;
 the exit status says how the run ended (``EXIT_CODES``).
 """
 import logging
+import sys
+from typing import Optional
 
 import torch
 from open_clip_train.precision import get_autocast
 
 from ..data.workers import failure as loader_failure, stop_all as stop_workers
-from ..errors import UsageError
-from .checkpoint import load_checkpoint
+from ..errors import TransientError, UsageError, storage_gone
+from .checkpoint import WriteError, load_checkpoint
 from .distributed import init_distributed
 from . import fsdp
 from .compile import compile_model
@@ -35,12 +37,13 @@ from .zeroshot import due, make_zero_shot
 log = logging.getLogger(LOGGER_NAME)
 
 EXIT_NONFINITE = 3
-EXIT_LOADER = 74  # sysexits' EX_IOERR: the input failed; the saved checkpoints are intact
+EXIT_LOADER = 74  # sysexits' EX_IOERR: the input (or the storage) failed; the saved checkpoints are intact
 # The exit statuses of ``naflex-accum train`` (docs/long-runs.md).
-EXIT_CODES = {0: "finished", 2: "bad setting or unwritable run folder (one line)", EXIT_NONFINITE:
-              "stopped: non-finite loss or weights, nothing saved after it", EXIT_LOADER:
-              "stopped: a data-loader worker died, raised or stopped answering (one line); nothing saved after "
-              "the last checkpoint; --resume latest continues", EXIT_STOPPED:
+EXIT_CODES = {0: "finished", 2: "bad setting or unwritable run folder: full, read-only, no permission (one line)",
+              EXIT_NONFINITE: "stopped: non-finite loss or weights, nothing saved after it", EXIT_LOADER:
+              "stopped: a data-loader worker died, raised or stopped answering, the loader sent no batch for "
+              "--data-timeout, or the storage of a shard or of the run folder went away (one line); nothing saved "
+              "after the last checkpoint; --resume latest continues", EXIT_STOPPED:
               "stopped on request (SIGTERM, SIGUSR1, STOP) after saving; --resume latest continues"}
 
 
@@ -124,7 +127,7 @@ def build_data(args, world, model, device):
     if args.val_data and world.is_master:
         val = make_val_loader(args.val_data, tokenizer, seq_len=args.val_seq_len or max(args.naflex_seq_lens),
                               batch_size=args.val_batch_size, patch_size=args.naflex_patch_sizes[0], workers=0,
-                              decode=args.image_decode)
+                              decode=args.image_decode, timeout=args.data_timeout)
     return train, val
 
 
@@ -146,6 +149,25 @@ def _nonfinite_message(step: int, num_steps: int, saver: Saver) -> str:
         else f"last good checkpoint: none (this run saved nothing yet); start again with {advice}"
     return (f"Non-finite loss at optimizer step {step} (epoch {epoch}, step {in_epoch}/{num_steps}): stopped "
             f"without saving; {then} (exit {EXIT_NONFINITE})")
+
+
+def transient(exc: BaseException) -> Optional[str]:
+    """One line for a failure another attempt may not meet (exit 74), or None: a loader worker's failure, a
+    shard the OS cannot read, no batch within --data-timeout, the run folder's storage gone (not full or
+    read-only: those are settings to fix, exit 2)."""
+    what = loader_failure(exc)
+    if what is None and isinstance(exc, TransientError):
+        what = str(exc)
+    if what is None and isinstance(exc, WriteError) and storage_gone(exc.errno):
+        what = f"{exc}: the run folder's storage failed or went away"
+    return what
+
+
+def _log_error(line: str) -> None:
+    try:
+        log.error(line)
+    except WriteError:  # out.log's storage is gone too: its handler has left; the console's (the first) has the line
+        pass
 
 
 def _wandb_run(args, world, paths):
@@ -231,13 +253,14 @@ def _run(args, world, device, claim) -> dict:
         if world.is_master:
             log.error(_nonfinite_message(step, num_steps, saver))
     except Exception as exc:
-        what = loader_failure(exc)
+        what = transient(exc)
         if what is None:
             raise
         exit_code = EXIT_LOADER
-        log.error(f"Data loader failed on rank {world.rank}: {what}. The run stopped after optimizer step "
-                  f"{state.global_step} without saving; last good checkpoint: {saver.last_good or 'none'}; "
-                  f"run again with --resume latest (exit {EXIT_LOADER})")
+        which = "Writing the run folder" if isinstance(exc, WriteError) else "Data loader"
+        _log_error(f"{which} failed on rank {world.rank}: {what}. The run stopped after optimizer step "
+                   f"{state.global_step} without saving; last good checkpoint: {saver.last_good or 'none'}; "
+                   f"run again with --resume latest (exit {EXIT_LOADER})")
     finally:
         stop_workers()  # a worker that outlived a failure would hold the process at exit (workers ignore SIGTERM)
         stop.close()
@@ -256,7 +279,8 @@ def train(argv=None, prog="naflex-accum train") -> dict:
     try:
         result = run(args, world, device)
     except UsageError as exc:
-        if world.distributed and not world.is_master and not isinstance(exc, QuietUsageError):
+        if world.distributed and not world.is_master and not isinstance(exc, QuietUsageError) and \
+                transient(exc) is None:
             # the flags and the checkpoint are every rank's: rank 0 meets the same error and prints it
             raise QuietUsageError(str(exc)) from None
         raise
@@ -284,5 +308,11 @@ def main(argv=None, prog="naflex-accum train") -> int:
         result = train(argv, prog)
     except QuietUsageError:
         return 2
+    except Exception as exc:  # before the run proper (counting the shards, making its folder) or after it
+        what = transient(exc)
+        if what is None:
+            raise
+        print(f"{prog}: error: {what}; run it again (exit {EXIT_LOADER})", file=sys.stderr)
+        return EXIT_LOADER
     print_footer(result)
     return result["exit_code"]
