@@ -45,4 +45,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   echo
   exit 0
 fi
+# The launch time: the trainer removes only a STOP file older than it (one written since stops the run)
+NAFLEX_ACCUM_LAUNCHED=$(date +%s)
+export NAFLEX_ACCUM_LAUNCHED
 exec "${cmd[@]}"

@@ -4,12 +4,17 @@ Invariant: every error a user can meet is one of these classes and its message
 is one line: a ``UsageError`` names the flag or file at fault and what would be
 valid (the CLI prints it and exits 2, no traceback); a ``StepError`` (and its
 ``ContractError``) is the accumulation step's refusal; ``PatchError`` and
-``SelfCheckFailed`` the runner's. Nothing here imports the rest of the package.
+``SelfCheckFailed`` the runner's. A ``TransientError`` is one line too, for a
+failure that says nothing about the settings (storage gone mid-run, input that
+stopped coming): the trainer exits 74 on it, which a cluster script may retry;
+``storage_gone(errno)`` says which OS errors mean the storage went away, not
+that it is full or read-only. Nothing here imports the rest of the package.
 ``OneLineParser`` makes argparse's own errors (unknown flag, bad choice) follow
 the same rule instead of dumping the whole usage text; ``check_int`` is the one
 integer validator every setting goes through.
 """
 import argparse
+import errno as _errno
 from typing import Optional
 
 
@@ -49,6 +54,22 @@ def is_int_at_least(value, minimum: int) -> bool:
 
 def is_positive_int(value) -> bool:
     return is_int_at_least(value, 1)
+
+
+class TransientError(Exception):
+    """A failure of the input or of the storage that a later attempt may not meet: one line, exit 74."""
+
+
+# Errors of storage that went away (an NFS server, a FUSE mount, a network disk): a file that was there is not
+# (ENOENT), a stale handle, I/O errors and timeouts; not ENOSPC, EACCES, EROFS, EDQUOT: those need a person
+_GONE = ("ENOENT", "ESTALE", "EIO", "ENOTCONN", "ETIMEDOUT", "ENODEV", "ENXIO", "EHOSTDOWN", "EHOSTUNREACH",
+         "ECONNRESET", "ECONNABORTED", "ECONNREFUSED", "ENETDOWN", "ENETUNREACH", "ENETRESET", "ENOLINK", "ECOMM",
+         "EREMOTEIO")
+STORAGE_GONE = frozenset(getattr(_errno, name) for name in _GONE if hasattr(_errno, name))
+
+
+def storage_gone(errno: Optional[int]) -> bool:
+    return errno in STORAGE_GONE
 
 
 class OneLineParser(argparse.ArgumentParser):

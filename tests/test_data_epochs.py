@@ -1,11 +1,14 @@
 """Exact epochs on the real loader, counted by sample key over whole epochs.
 
 An epoch of the data set (the default) holds each sample once, but for the last step's remainder (less than one
-step); a shorter one at most once; a longer one whole passes and part of one more. No global batch (every rank's
-rows of it) holds a sample twice. Whatever the workers, ranks, slots, shuffle size, shard count and sizes.
+step); a shorter one at most once; a longer one whole passes and part of one more. No contrastive batch holds a
+sample twice: an optimizer step's window, every rank's rows of its --accum-freq batches. Whatever the workers,
+ranks, slots, shuffle size, shard count and sizes.
 """
 import collections
 import math
+import os
+import zlib
 
 import pytest
 import torch
@@ -51,9 +54,14 @@ def global_batches(pattern, world, workers, slots, shuffle, num_samples=None, ep
     return [[k for rank in per_rank for k in rank[i]] for i in range(len(per_rank[0]))], loaders[0]
 
 
+def windows(batches, accum):
+    """Every optimizer step's keys: ``accum`` consecutive global batches."""
+    return [[k for batch in batches[i:i + accum] for k in batch] for i in range(0, len(batches), accum)]
+
+
 def check_epoch(batches, total, target, world, accum):
-    for i, batch in enumerate(batches):
-        assert len(set(batch)) == len(batch), f"batch {i} holds a sample twice"
+    for i, window in enumerate(windows(batches, accum)):
+        assert len(set(window)) == len(window), f"window {i} holds a sample twice"
     counts = collections.Counter(k for batch in batches for k in batch)
     seen = sum(counts.values())
     step = accum * world * LARGEST
@@ -67,40 +75,41 @@ def check_epoch(batches, total, target, world, accum):
     return counts
 
 
-GRID = [  # shard sizes, world, workers, slots, shuffle
-    ((64,) * 8, 1, 0, 1, DEFAULT),
-    ((64,) * 8, 2, 2, 4, 8),
-    ((64,) * 8, 4, 0, 8, 100),
-    ((512,), 1, 3, 3, 10_000),                      # one shard, three slots
-    ((64,) * 3, 1, 0, 8, DEFAULT),                  # fewer shards than slots
-    ((5, 200, 17, 90, 1, 150, 49), 3, 1, 6, DEFAULT),  # uneven
-    ((8,) * 64, 2, 1, 16, DEFAULT),                 # 64 shards, 16 slots
-    ((40,) * 16, 4, 3, 16, 32),
-    ((100, 3, 300, 7, 101), 2, 0, 2, 0),            # no shuffle within a slot
-    ((64,) * 10, 1, 2, 5, 10_000),
+GRID = [  # shard sizes, world, workers, slots, shuffle, accum
+    ((64,) * 8, 1, 0, 1, DEFAULT, 1),
+    ((64,) * 8, 2, 2, 4, 8, 2),
+    ((64,) * 8, 4, 0, 8, 100, 1),
+    ((512,), 1, 3, 3, 10_000, 2),                      # one shard, three slots
+    ((64,) * 3, 1, 0, 8, DEFAULT, 1),                  # fewer shards than slots
+    ((5, 200, 17, 90, 1, 150, 49), 3, 1, 6, DEFAULT, 2),  # uneven
+    ((8,) * 64, 2, 1, 16, DEFAULT, 1),                 # 64 shards, 16 slots
+    ((40,) * 16, 4, 3, 16, 32, 1),
+    ((100, 3, 300, 7, 101), 2, 0, 2, 0, 3),            # no shuffle within a slot
+    ((64,) * 10, 1, 2, 5, 10_000, 1),
 ]
 
 
-@pytest.mark.parametrize("sizes,world,workers,slots,shuffle", GRID)
-def test_an_epoch_of_the_data_set_holds_each_sample_once(datasets, sizes, world, workers, slots, shuffle):
-    batches, loader = global_batches(datasets(sizes), world, workers, slots, shuffle)
-    counts = check_epoch(batches, sum(sizes), sum(sizes), world, 1)
+@pytest.mark.parametrize("sizes,world,workers,slots,shuffle,accum", GRID)
+def test_an_epoch_of_the_data_set_holds_each_sample_once(datasets, sizes, world, workers, slots, shuffle, accum):
+    batches, loader = global_batches(datasets(sizes), world, workers, slots, shuffle, accum=accum)
+    counts = check_epoch(batches, sum(sizes), sum(sizes), world, accum)
     assert sum(counts.values()) == loader.num_samples
 
 
-@pytest.mark.parametrize("sizes,world,workers,slots,shuffle", GRID[1::3])
-def test_a_shorter_epoch_holds_each_sample_at_most_once(datasets, sizes, world, workers, slots, shuffle):
+@pytest.mark.parametrize("sizes,world,workers,slots,shuffle,_", GRID[1::3])
+def test_a_shorter_epoch_holds_each_sample_at_most_once(datasets, sizes, world, workers, slots, shuffle, _):
     target = sum(sizes) * 2 // 3
     batches, _ = global_batches(datasets(sizes), world, workers, slots, shuffle, num_samples=target, epoch=1,
                                 accum=2)
     check_epoch(batches, sum(sizes), target, world, 2)
 
 
-@pytest.mark.parametrize("sizes,world,workers,slots,shuffle", [GRID[0], GRID[3], GRID[8]])
-def test_a_longer_epoch_is_whole_passes_and_part_of_one_more(datasets, sizes, world, workers, slots, shuffle):
+@pytest.mark.parametrize("sizes,world,workers,slots,shuffle,accum", [GRID[0], GRID[3], GRID[8]])
+def test_a_longer_epoch_is_whole_passes_and_part_of_one_more(datasets, sizes, world, workers, slots, shuffle, accum):
     target = sum(sizes) * 5 // 2
-    batches, loader = global_batches(datasets(sizes), world, workers, slots, shuffle, num_samples=target)
-    check_epoch(batches, sum(sizes), target, world, 1)
+    batches, loader = global_batches(datasets(sizes), world, workers, slots, shuffle, num_samples=target,
+                                     accum=accum)
+    check_epoch(batches, sum(sizes), target, world, accum)
     assert "2 whole pass(es)" in loader.describe()
 
 
@@ -131,35 +140,36 @@ def test_refused_in_one_line(datasets):
         make_train_loader(config(tight, num_samples=100, slots=16, dataset_resampled=True), CharTokenizer())
 
 
-def test_resampled_batches_never_hold_a_sample_twice(datasets):
-    pattern = datasets((64,) * 2)  # few samples a slot: draws with replacement collide often
-    batches, _ = global_batches(pattern, 2, 1, 4, 8, num_samples=1000)
-    # check_epoch's "no batch holds a sample twice"; the counts themselves follow the draws
-    for i, batch in enumerate(batches):
-        assert len(set(batch)) == len(batch), f"batch {i} holds a sample twice"
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resampled_windows_never_hold_a_sample_twice(datasets, accum):
+    pattern = datasets((64,) * 4)  # few samples a slot: draws with replacement collide often
+    batches, _ = global_batches(pattern, 2, 1, 4, 8, num_samples=1000, accum=accum)
+    # check_epoch's "no window holds a sample twice"; the counts themselves follow the draws
+    for i, window in enumerate(windows(batches, accum)):
+        assert len(set(window)) == len(window), f"window {i} holds a sample twice"
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                 HealthCheck.too_slow])
 @given(sizes=st.lists(st.integers(1, 90), min_size=1, max_size=9), world=st.integers(1, 3),
        per_rank=st.integers(1, 4), shuffle=st.sampled_from([0, 1, 8, 37, DEFAULT]),
-       fraction=st.sampled_from([None, 0.5, 1.7]), epoch=st.integers(0, 3))
-def test_property_random_shards_and_settings(datasets, sizes, world, per_rank, shuffle, fraction, epoch):
+       fraction=st.sampled_from([None, 0.5, 1.7]), epoch=st.integers(0, 3), accum=st.integers(1, 3))
+def test_property_random_shards_and_settings(datasets, sizes, world, per_rank, shuffle, fraction, epoch, accum):
     total, slots = sum(sizes), world * per_rank
     target = total if fraction is None else max(1, int(total * fraction))
     pattern = datasets(tuple(sizes))
     try:
         batches, _ = global_batches(pattern, world, 0, slots, shuffle, None if fraction is None else target,
-                                    epoch)
+                                    epoch, accum)
     except UsageError as exc:  # only the documented refusals, in one line
         message = str(exc)
         assert "\n" not in message
         share = total // slots
         assert (total < world * LARGEST and "fewer than one batch" in message) or \
-               (target > total and share < 2 * LARGEST and "spans passes" in message) or \
-               ("cannot fill one optimizer step" in message and target < world * LARGEST), message
+               (target > total and share < 2 * LARGEST * accum and "spans passes" in message) or \
+               ("cannot fill one optimizer step" in message and target < world * LARGEST * accum), message
         return
-    check_epoch(batches, total, target, world, 1)
+    check_epoch(batches, total, target, world, accum)
 
 
 def test_pure_order_passes_hold_every_sample_once():
@@ -185,3 +195,100 @@ def test_a_shard_listed_twice_is_refused(datasets):
     with pytest.raises(UsageError, match=r"--train-data lists shard .*part-0003.tar' twice") as info:
         make_train_loader(config(f"{pattern}::{pattern}", num_samples=None), CharTokenizer())
     assert "\n" not in str(info.value)
+
+
+def test_compressed_shards_hold_each_sample_once(datasets, tmp_path):
+    import glob
+    import gzip
+    import shutil
+
+    pattern = datasets((64,) * 4)
+    for path in glob.glob(pattern.replace("{0000..0003}", "*")):
+        with open(path, "rb") as src, gzip.open(tmp_path / (os.path.basename(path) + ".gz"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    batches, _ = global_batches(f"{tmp_path}/part-{{0000..0003}}.tar.gz", 1, 0, 2, DEFAULT)
+    counts = check_epoch(batches, 256, 256, 1, 1)
+    assert len(counts) > 256 - 2 * LARGEST
+
+
+def test_a_shard_under_two_names_is_refused(datasets, tmp_path):
+    pattern = datasets((64,) * 2)
+    first = pattern.replace("{0000..0001}", "0000")
+    os.symlink(first, tmp_path / "link.tar")
+    for spec in (f"{first}::{tmp_path}/link.tar", f"{first}::{os.path.dirname(first)}/./part-0000.tar"):
+        with pytest.raises(UsageError, match=r"lists shard .* twice \(also as") as info:
+            make_train_loader(config(spec, num_samples=None), CharTokenizer())
+        assert "\n" not in str(info.value)
+
+
+def test_a_sizes_json_count_the_file_cannot_hold_is_one_line(datasets, tmp_path):
+    import json
+    import shutil
+
+    pattern = datasets((64,) * 2)
+    folder = os.path.dirname(pattern)
+    for name in ("part-0000.tar", "part-0001.tar"):
+        shutil.copy(os.path.join(folder, name), tmp_path / name)
+    (tmp_path / "sizes.json").write_text(json.dumps({"part-0000.tar": 10 ** 12, "part-0001.tar": 64}))
+    with pytest.raises(UsageError, match=r"sizes.json lists 1000000000000 samples for part-0000.tar, more than"):
+        make_train_loader(config(f"{tmp_path}/part-{{0000..0001}}.tar", num_samples=64), CharTokenizer())
+
+
+def test_a_slot_whose_part_lies_in_an_unreadable_shard_takes_stand_ins_from_other_parts(datasets, tmp_path):
+    import shutil
+
+    pattern = datasets((64,) * 5)
+    folder = os.path.dirname(pattern)
+    for k in range(5):
+        shutil.copy(os.path.join(folder, f"part-{k:04d}.tar"), tmp_path / f"part-{k:04d}.tar")
+    from test_data_common import tar_members, write_tar
+    members = tar_members(tmp_path / "part-0002.tar")  # every image of it garbage: no usable sample
+    write_tar(tmp_path / "part-0002.tar", [(n, b"junk" if n.endswith((".jpg", ".png")) else d) for n, d in members])
+    sizes = {f"part-{k:04d}.tar": 64 for k in range(5)}
+    (tmp_path / "sizes.json").write_text(__import__("json").dumps(sizes))
+    batches, loader = global_batches(f"{tmp_path}/part-{{0000..0004}}.tar", 2, 1, 10, DEFAULT, accum=2)
+    keys = [k for batch in batches for k in batch]
+    assert not any("part-0002" in k for k in keys)
+    for i, window in enumerate(windows(batches, 2)):
+        assert len(set(window)) == len(window), f"window {i} holds a sample twice"
+    assert loader.stats["standins"] == loader.stats["corrupt"] > 0  # rank 0's rows of that part
+
+
+def test_the_untrained_remainder_falls_anywhere_in_a_shard(datasets):
+    pattern = datasets((101,) * 3)
+    dropped = collections.Counter()
+    for epoch in range(12):
+        batches, _ = global_batches(pattern, 1, 0, 1, 20, epoch=epoch)
+        seen = {k for batch in batches for k in batch}
+        dropped.update(int(k.split("#")[1][5:]) % 101 for k in all_keys(pattern) - seen)
+    # each epoch drops a few of the last reads of a pass: anywhere in a shard, not its tail every epoch
+    assert dropped and min(dropped) < 50 and max(dropped) >= 50
+
+
+def all_keys(pattern):
+    from test_data_common import shard_paths, tar_members
+    return {f"{p}#{name.split('.')[0]}" for p in shard_paths(pattern) for name, _ in tar_members(p)}
+
+
+@pytest.mark.parametrize("target", [None, 1500])
+def test_stand_ins_never_repeat_a_sample_of_their_window(datasets, tmp_path, target):
+    # one sample in 20 unusable; --accum-freq 4: a window is 4 batches, and its stand-ins come from outside it
+    import json
+    import shutil
+
+    from test_data_common import tar_members, write_tar
+
+    pattern = datasets((64,) * 8)
+    folder = os.path.dirname(pattern)
+    for k in range(8):
+        members = tar_members(os.path.join(folder, f"part-{k:04d}.tar"))
+        write_tar(tmp_path / f"part-{k:04d}.tar",
+                  [(n, b"junk" if n.endswith((".jpg", ".png")) and zlib.crc32(n.encode()) % 20 == 0 else d)
+                   for n, d in members])
+    shutil.copy(os.path.join(folder, "sizes.json"), tmp_path / "sizes.json")
+    json.loads((tmp_path / "sizes.json").read_text())
+    batches, loader = global_batches(f"{tmp_path}/part-{{0000..0007}}.tar", 2, 1, 2, DEFAULT, num_samples=target,
+                                     accum=4)
+    assert loader.stats["standins"] > 0
+    for i, window in enumerate(windows(batches, 4)):
+        assert len(set(window)) == len(window), f"window {i} holds a sample twice"

@@ -18,8 +18,8 @@ TESTS = Path(__file__).resolve().parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def run_2proc(args, timeout=600, **kw):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+def run_2proc(args, timeout=600, env_extra=None, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env_extra or {}),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([*TORCHRUN, *args], capture_output=True, text=True, timeout=timeout, env=env, **kw)
 
@@ -119,3 +119,23 @@ def test_two_process_training_run(tmp_path):
     log = (runs[0] / "out.log").read_text()
     assert "world size 2" in log and log.count("Run folder") == 1  # rank 0 writes, once
     assert proc.stdout.count("Run folder:") == 1
+
+
+def test_every_rank_cuts_its_epochs_from_rank_0s_shard_sizes(tmp_path):
+    """A source each rank would count differently (here a pipe: that gives rank 1 half the shard; in life a flaky
+    mount or a shard still being copied): the ranks take rank 0's sizes, so they run the same steps and the job
+    ends, instead of two schedules waiting on each other."""
+    from naflex_accum.data import write_demo_data
+
+    shards = write_demo_data(tmp_path / "data", num_samples=96, val_samples=0, seed=0)
+    shard = shards.train.replace("{000000..000000}", "000000")
+    half = os.path.getsize(shard) // 2
+    source = f"pipe:if [ \"$RANK\" = 1 ]; then head -c {half} {shard}; else cat {shard}; fi"
+    env = {"NAFLEX_ACCUM_CACHE": str(tmp_path / "cache")}
+    proc = run_2proc(["-m", "naflex_accum.train", "--train-data", source, "--naflex-seq-lens", "16",
+                      "--naflex-max-tokens-per-batch", "128", "--naflex-batch-divisor", "1", "--epochs", "1",
+                      "--workers", "0", "--device", "cpu", "--accum-freq", "2", "--logs-dir", str(tmp_path / "logs"),
+                      "--name", "sizes"], timeout=240, env_extra=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (tmp_path / "logs/sizes/out.log").read_text()
+    assert "96 samples in 1 shard(s)" in log

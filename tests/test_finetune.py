@@ -96,7 +96,8 @@ def test_pretrained_mismatch_is_one_line_naming_keys(tmp_path, make, expect):
     assert "\n" not in message and expect in message and "--model naflex-tiny" in message
 
 
-@pytest.mark.parametrize("content,expect", [(None, "no such file"), (b"not a checkpoint", "cannot read")])
+@pytest.mark.parametrize("content,expect", [(None, "no such file"),
+                                            (b"not a checkpoint", "not a torch checkpoint or safetensors file")])
 def test_pretrained_bad_file(tmp_path, content, expect):
     path = tmp_path / "w.pt"
     if content is not None:

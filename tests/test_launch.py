@@ -12,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch"
 SCRIPTS = sorted(p for p in LAUNCH.iterdir() if p.suffix in (".sh", ".sbatch"))
+# The scripts' python imports this checkout's naflex_accum, not whichever one is installed.
+PYTHONPATH = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-09],gpu12", "SLURM_NNODES": "4",
          "SLURM_JOB_NAME": "clip"}
 
@@ -24,7 +26,7 @@ def shellcheck():
 
 
 def run(script, *args, env=None, timeout=60):
-    env = {**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1", **(env or {})}
+    env = {**os.environ, **PYTHONPATH, "PYTHON": sys.executable, "DRY_RUN": "1", **(env or {})}
     return subprocess.run(["bash", str(LAUNCH / script), *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=ROOT)
 
@@ -92,8 +94,9 @@ def fake_slurm(tmp_path, srun_body: str) -> dict:
                                       '[ "$1" = show ] && echo localhost\nexit 0\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    return {**os.environ, **SLURM, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOGS": str(tmp_path / "logs"),
-            "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return {**os.environ, **SLURM, **PYTHONPATH, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "LOGS": str(tmp_path / "logs"), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore"}
 
 
 def start_job(env, *args, cwd):
@@ -192,3 +195,33 @@ def test_a_loader_failure_requeues_a_bounded_number_of_times(tmp_path, restarts,
         assert f"a data-loader worker failed (exit 74); restart {restarts} of 3" in out
     else:
         assert "failed again (exit 74) after 3 requeues: not requeueing" in out
+
+
+@pytest.mark.parametrize("script", ["slurm.sbatch", "slurm_srun.sbatch"])
+@pytest.mark.parametrize("restarts", [None, "0", "1", "4"])
+@pytest.mark.parametrize("form", [["--resume", "/runs/clip/checkpoints/epoch_1.pt"],
+                                  ["--resume=/runs/clip/checkpoints/epoch_1.pt"]])
+def test_a_users_resume_counts_on_the_first_start_only(script, restarts, form):
+    """A rollback submitted as `sbatch slurm.sbatch --resume PATH`: the first start resumes PATH, every requeue
+    (SLURM_RESTART_COUNT > 0) its own newest checkpoint (--resume latest), never PATH again."""
+    env = {**SLURM, **({"SLURM_RESTART_COUNT": restarts} if restarts else {})}
+    proc = run(script, "--lr", "1e-4", *form, "--epochs", "3", env=env)
+    assert proc.returncode == 0, proc.stderr
+    command = proc.stdout.splitlines()[1]
+    first = restarts in (None, "0")
+    assert ("epoch_1.pt" in command) is first and (command.count("--resume") == 1), command
+    assert ("--resume latest" in command) is not first, command
+    assert "--lr 1e-4" in command and "--epochs 3" in command and "--name clip-4242" in command
+
+
+def test_the_job_tells_the_trainer_when_it_was_launched(tmp_path):
+    """NAFLEX_ACCUM_LAUNCHED (epoch seconds, set afresh by every start, whatever the submitting shell had):
+    a STOP file written after it, during the trainer's start-up, is honoured."""
+    env = {**fake_slurm(tmp_path, f'echo "$NAFLEX_ACCUM_LAUNCHED" > {tmp_path}/launched'),
+           "NAFLEX_ACCUM_LAUNCHED": "1000"}
+    before = int(time.time())
+    proc = start_job(env, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    launched = int((tmp_path / "launched").read_text())
+    assert before - 1 <= launched <= int(time.time()) + 1

@@ -1,5 +1,6 @@
 """Long runs, in one process: stop requests by real signals at any step, step checkpoints and retention,
 --resume latest, the non-finite guard, and safe checkpoint reading. Subprocess faults: test_longrun_faults.py."""
+import os
 import signal
 
 import pytest
@@ -126,7 +127,7 @@ def test_load_payload_refuses_code_and_garbage(tmp_path):
     with pytest.raises(UsageError, match=r"--pretrained .*code.pt: refused: opening it would import and run "
                                          r"argparse.Namespace"):
         load_payload(tmp_path / "code.pt", flag="--pretrained")
-    (tmp_path / "junk.pt").write_bytes(b"\x00" * 100)
+    (tmp_path / "junk.pt").write_bytes(b"PK\x03\x04" + b"\x00" * 100)  # a zip's start, then garbage
     with pytest.raises(UsageError, match="--resume .*junk.pt: cannot read this file"):
         load_payload(tmp_path / "junk.pt")
     from safetensors.torch import save_file
@@ -171,3 +172,145 @@ def test_a_resumed_epochs_averages_cover_the_whole_epoch(setup, tmp_path):
 
     whole, resumed = averages("whole"), averages("resumed")
     assert len(whole) == 2 and resumed == whole[-len(resumed):] and len(resumed) == 2, (whole, resumed)
+
+
+def test_a_rollback_starts_a_branch_that_requeues_follow(setup, tmp_path, monkeypatch):
+    """The rollback the non-finite and mid-epoch messages advise: back to epoch_1.pt of a 3-epoch run with a lower
+    --lr and another --accum-freq, stopped inside the branch, requeued with --resume latest: the branch goes on
+    (its step checkpoints survive pruning, latest follows it) and the abandoned checkpoints stay on disk."""
+    shards, model, _ = setup
+    saves = ("--save-every-n-steps", "2", "--keep-last", "2")
+    train_in_process(run_argv(shards, model, tmp_path, "div", *saves, epochs=3))
+    root, ckpts = tmp_path / "div", tmp_path / "div/checkpoints"
+    further = ["epoch_2.pt", "epoch_3.pt", "step_10.pt", "step_12.pt"]
+    assert ckpt_names(root) == ["epoch_1.pt", *further]
+    old = {name: torch.load(ckpts / name, weights_only=True)["global_step"] for name in further}
+    rollback = (*saves, "--lr", "5e-4", "--accum-freq", "1")  # 8 steps an epoch now
+    signal_at(monkeypatch, signal.SIGTERM, 7)  # the branch's step 7 of epoch 1: global step 11
+    cut = train_in_process(run_argv(shards, model, tmp_path, "div", *rollback, "--resume", str(ckpts / "epoch_1.pt"),
+                                    epochs=3))
+    monkeypatch.undo()
+    assert cut["exit_code"] == EXIT_STOPPED and cut["global_step"] == 11
+    assert ckpt_names(root) == ["abandoned-1", "epoch_1.pt", "epoch_latest.pt", "step_10.pt", "step_8.pt"]
+    assert torch.load(ckpts / "step_10.pt", weights_only=True)["schedule"]["accum_freq"] == 1  # the branch's own
+    log = (root / "out.log").read_text()
+    assert "abandoned-1" in log and all(name in log for name in further)
+    requeued = train_in_process(run_argv(shards, model, tmp_path, "div", *rollback, "--resume", "latest", epochs=3))
+    assert requeued["exit_code"] == 0 and requeued["global_step"] == 20  # 4 + 8 + 8: the branch, to its end
+    assert ckpt_names(root) == ["abandoned-1", "epoch_1.pt", "epoch_2.pt", "epoch_3.pt", "step_18.pt", "step_20.pt"]
+    assert torch.load(ckpts / "epoch_3.pt", weights_only=True)["global_step"] == 20
+    assert {name: torch.load(ckpts / "abandoned-1" / name, weights_only=True)["global_step"]
+            for name in further} == old  # nothing of the abandoned run lost
+
+
+def test_branches_never_overwrite_an_abandoned_folder(tmp_path):
+    from naflex_accum.train.lineage import start_branch
+
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "abandoned-1").mkdir(parents=True)
+    (ckpts / "abandoned-1" / "epoch_2.pt").write_bytes(b"kept")
+    for name, step in (("epoch_1.pt", 4), ("epoch_2.pt", 8), ("step_6.pt", 6), ("step_2.pt", 2)):
+        torch.save({"epoch": step // 4, "global_step": step, "step_in_epoch": 0 if "epoch" in name else step % 4 or 4,
+                    "state_dict": {}, "optimizer": {}}, ckpts / name)
+    branch = start_branch(ckpts, ckpts / "epoch_1.pt", (4, 1, 0))
+    dest = ckpts / "abandoned-2"
+    assert branch.dest == dest and [p.name for p in branch.moved] == ["epoch_2.pt", "step_6.pt"]
+    assert sorted(p.name for p in dest.iterdir()) == ["epoch_2.pt", "step_6.pt"] and branch.linked is None
+    assert (ckpts / "abandoned-1" / "epoch_2.pt").read_bytes() == b"kept"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["abandoned-1", "abandoned-2", "epoch_1.pt", "step_2.pt"]
+    assert start_branch(ckpts, ckpts / "epoch_1.pt", (4, 1, 0)).moved == []  # the furthest already: nothing moves
+    # back to the abandoned line's step 6: the current line goes aside whole (its step_2.pt would be pruned by
+    # the new line's saves otherwise), and step 6 is linked in as the top level's start, so latest continues it
+    branch = start_branch(ckpts, dest / "step_6.pt", (6, 1, 2))
+    assert branch.dest == ckpts / "abandoned-3" and [p.name for p in branch.moved] == ["epoch_1.pt", "step_2.pt"]
+    assert branch.linked == ckpts / "step_6.pt" and os.path.samefile(ckpts / "step_6.pt", dest / "step_6.pt")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["abandoned-1", "abandoned-2", "abandoned-3", "step_6.pt"]
+    assert newest_loadable(ckpts)[0] == ckpts / "step_6.pt"
+
+
+def test_a_branch_from_another_file_system_copies_the_checkpoint_in(tmp_path, monkeypatch):
+    import errno
+
+    from naflex_accum.train import lineage
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+    monkeypatch.setattr(lineage.os, "link", cross_device)
+    (tmp_path / "other").mkdir()
+    torch.save({"epoch": 2, "global_step": 8, "state_dict": {"w": torch.ones(3)}, "optimizer": {}},
+               tmp_path / "other/epoch_2.pt")
+    ckpts = tmp_path / "run/checkpoints"
+    ckpts.mkdir(parents=True)
+    branch = lineage.start_branch(ckpts, tmp_path / "other/epoch_2.pt", (8, 2, 0))
+    assert branch.moved == [] and branch.linked == ckpts / "epoch_2.pt"
+    assert not os.path.samefile(ckpts / "epoch_2.pt", tmp_path / "other/epoch_2.pt")
+    assert (ckpts / "epoch_2.pt").read_bytes() == (tmp_path / "other/epoch_2.pt").read_bytes()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch_2.pt"]  # no temporary file left
+
+
+def flip_values(path, key: str, count: int = 16) -> None:
+    """Flip a mantissa bit in ``count`` values of tensor ``key`` inside the file's raw data (the zip still loads)."""
+    tensor = torch.load(path, weights_only=True)["state_dict"][key]
+    raw = bytearray(path.read_bytes())
+    at = raw.find(tensor.contiguous().numpy().tobytes())
+    assert at > 0
+    for i in range(count):
+        raw[at + 4 * i + 1] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_bit_flipped_checkpoint_is_refused_and_latest_falls_back(setup, tmp_path, capsys):
+    shards, model, _ = setup
+    argv = ("--save-every-n-steps", "2", "--keep-last", "2")
+    train_in_process(run_argv(shards, model, tmp_path, "flip", *argv, epochs=1, workers=0))
+    newest = tmp_path / "flip/checkpoints/epoch_1.pt"
+    before = torch.load(newest, weights_only=True)["state_dict"]["token_embedding.weight"]
+    flip_values(newest, "token_embedding.weight")
+    after = torch.load(newest, weights_only=True)["state_dict"]["token_embedding.weight"]  # still loads
+    assert int((before != after).sum()) == 16
+    capsys.readouterr()
+    code = cli_main(["train", *run_argv(shards, model, tmp_path, "flip", *argv, "--resume", str(newest), workers=0)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and "Traceback" not in err, err
+    assert f"--resume {newest}: its checksum does not match" in err and "changed after it was written" in err
+    result = train_in_process(run_argv(shards, model, tmp_path, "flip", *argv, "--resume", "latest", workers=0))
+    out = capsys.readouterr().out
+    assert result["exit_code"] == 0 and result["global_step"] == 8
+    assert "skipping" in out and "epoch_1.pt: its checksum does not match" in out and "resumed from" in out
+    assert "step_4.pt" in out.split("resumed from")[1].splitlines()[0]
+
+
+def test_checkpoints_without_a_checksum_still_load(tmp_path):
+    from naflex_accum.train.checkpoint import load_checkpoint
+
+    torch.save({"epoch": 1, "state_dict": {"w": torch.ones(2)}, "optimizer": {}}, tmp_path / "old.pt")
+    assert torch.equal(load_checkpoint(tmp_path / "old.pt")["state_dict"]["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--pretrained"])
+def test_a_text_file_is_not_a_checkpoint(tmp_path, flag):
+    (tmp_path / "notes.pt").write_text("hello world, these are my notes\n")
+    with pytest.raises(UsageError, match=rf"{flag} .*notes.pt: not a torch checkpoint or safetensors file "
+                                         rf"\(it starts with 'hello world"):
+        load_payload(tmp_path / "notes.pt", flag=flag)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(UsageError, match=rf"{flag} .*empty.pt: not a torch checkpoint or safetensors file "
+                                         r"\(it is empty\)"):
+        load_payload(tmp_path / "empty.pt", flag=flag)
+
+
+def test_latest_never_restarts_a_run_whose_checkpoints_are_all_abandoned(setup, tmp_path, capsys):
+    """A top level emptied (by hand, or a branch start that died) while abandoned-N/ holds the run: --resume latest
+    refuses in one line instead of training from scratch in a folder with a history."""
+    shards, model, _ = setup
+    train_in_process(run_argv(shards, model, tmp_path, "gone", "--train-num-samples", "32", epochs=1, workers=0))
+    ckpts = tmp_path / "gone/checkpoints"
+    (ckpts / "abandoned-1").mkdir()
+    (ckpts / "epoch_1.pt").rename(ckpts / "abandoned-1/epoch_1.pt")
+    capsys.readouterr()
+    code = cli_main(["train", *run_argv(shards, model, tmp_path, "gone", "--train-num-samples", "32", "--resume",
+                                        "latest", workers=0)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert "holds no loadable checkpoint of the current branch, only abandoned ones (in abandoned-1/)" in err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["abandoned-1"]

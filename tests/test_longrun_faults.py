@@ -1,5 +1,7 @@
 """Faults with the real thing, in subprocesses: kill -9 at a random moment, SIGTERM to the whole process
-group, a second run on a locked folder, a full disk. Every subprocess has a timeout."""
+group, a second run on a locked folder, a full disk, an undeletable step checkpoint, a STOP file written while
+the trainer starts. Every subprocess has a timeout."""
+import contextlib
 import os
 import random
 import signal
@@ -22,9 +24,9 @@ def setup(tmp_path_factory):
     return reference(tmp_path_factory)
 
 
-def start(argv, log_path: Path, **kw):
+def start(argv, log_path: Path, env=None, **kw):
     """The trainer in its own session (so a group signal reaches it and its data-loader worker, as SLURM's does)."""
-    return subprocess.Popen(trainer_cmd(*argv), env=SUBPROCESS_ENV, stdout=open(log_path, "w"),
+    return subprocess.Popen(trainer_cmd(*argv), env=env or SUBPROCESS_ENV, stdout=open(log_path, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True, **kw)
 
 
@@ -152,8 +154,11 @@ def test_full_disk_is_one_line_and_leaves_no_partial_checkpoint(setup, tmp_path,
         reason = "No space left on device" if mounted else "File too large"
         assert f"cannot write {small / 'full'}" in err and reason in err
         assert ("step_1.pt" if fill == "checkpoint" else "out.log") in err
-        leftovers = [p.name for p in (small / "full/checkpoints").iterdir()]
-        assert leftovers == [], leftovers  # no partial file under a checkpoint name, no temporary file
+        if fill == "checkpoint":  # a step trained: the folder stays, with its log
+            leftovers = [p.name for p in (small / "full/checkpoints").iterdir()]
+            assert leftovers == [], leftovers  # no partial file under a checkpoint name, no temporary file
+        else:  # refused before training: the folder this start made is gone
+            assert not (small / "full").exists(), sorted(str(p) for p in (small / "full").rglob("*"))
     finally:
         if mounted is not None:
             subprocess.run(["umount", str(small)])
@@ -177,3 +182,74 @@ def test_a_signal_after_the_run_has_saved_does_not_kill_the_process():
     in_process = subprocess.run([sys.executable, "-c", code, "library"], env=SUBPROCESS_ENV, timeout=60)
     assert entry.returncode == 0
     assert in_process.returncode == -signal.SIGTERM  # the default handler is back
+
+
+@contextlib.contextmanager
+def undeletable(path: Path):
+    """``path`` cannot be unlinked: the immutable attribute (``chattr +i``, ext4/xfs/btrfs as root), else the file
+    bind-mounted onto itself (unlinking a mount point fails with EBUSY); undone on leaving, whatever happens."""
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0:
+        undo = ["chattr", "-i", str(path)]
+    elif subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True).returncode == 0:
+        undo = ["umount", str(path)]
+    else:
+        pytest.skip(f"cannot make {path} undeletable here (chattr +i and mount --bind both refused)")
+    try:
+        yield
+    finally:
+        subprocess.run(undo, capture_output=True)
+
+
+def test_a_step_checkpoint_that_cannot_be_deleted_is_a_warning(setup, tmp_path):
+    shards, model, _ = setup
+    argv = run_argv(shards, model, tmp_path, "p", "--save-every-n-steps", "1", "--keep-last", "2")
+    train_in_process([*argv, "--epochs", "1", "--keep-last", "4"])
+    stuck = tmp_path / "p/checkpoints/step_1.pt"
+    with undeletable(stuck):
+        with pytest.raises(OSError):
+            stuck.unlink()
+        proc = subprocess.run(trainer_cmd(*argv, "--resume", "latest"), env=SUBPROCESS_ENV, capture_output=True,
+                              text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    warnings = [line for line in out.splitlines() if "WARNING" in line]
+    assert warnings and all(f"cannot delete {stuck}" in line and "Operation not permitted" in line or
+                            f"cannot delete {stuck}" in line and "busy" in line for line in warnings), warnings
+    names = sorted(p.name for p in stuck.parent.iterdir())
+    assert names == ["epoch_1.pt", "epoch_2.pt", "step_1.pt", "step_7.pt", "step_8.pt"], names
+    assert len(warnings) == 1  # once, not at every save
+
+
+@pytest.mark.parametrize("when", ["after launch (NAFLEX_ACCUM_LAUNCHED)", "after the process started",
+                                  "before launch"])
+def test_a_stop_file_written_after_launch_is_honoured(setup, tmp_path, when):
+    """SLURM's USR1 can write STOP while the trainer starts: that request stops the run after its first step;
+    only a STOP older than the launch (the earliest of the process start and $NAFLEX_ACCUM_LAUNCHED) is removed."""
+    shards, model, _ = setup
+    argv = run_argv(shards, model, tmp_path, "s", "--resume", "latest", epochs=1, samples=64, workers=0)
+    stop = tmp_path / "s/STOP"
+    stop.parent.mkdir()
+    env = dict(SUBPROCESS_ENV)
+    env.pop("NAFLEX_ACCUM_LAUNCHED", None)
+    if when.startswith("after launch"):
+        env["NAFLEX_ACCUM_LAUNCHED"] = str(int(time.time()) - 30)  # the launcher's clock, before the file
+        stop.touch()
+    elif when == "before launch":
+        stop.touch()
+        os.utime(stop, (time.time() - 60, time.time() - 60))
+    proc = start(argv, tmp_path / "s.log", env=env)
+    try:
+        if when == "after the process started":
+            stop.touch()  # the trainer is still importing torch: its start-up has not reached the STOP check
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = (tmp_path / "s.log").read_text()
+    assert "Traceback" not in out, out[-3000:]
+    if when == "before launch":
+        assert proc.returncode == 0 and not stop.exists() and "Stopped on request" not in out, out[-3000:]
+    else:
+        assert proc.returncode == EXIT_STOPPED, out[-3000:]
+        assert "Stopped on request (the STOP file) after step 1 of epoch 0" in out
+        assert not stop.exists()  # answered: the next start does not meet it

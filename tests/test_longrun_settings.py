@@ -174,3 +174,77 @@ def test_mid_epoch_resume_with_another_shard_list_is_refused(setup, tmp_path, ca
     epoch = str(tmp_path / "a/checkpoints/epoch_1.pt")  # at an epoch's end nothing of the old list is owed
     argv[argv.index("--resume") + 1] = epoch
     assert cli_main(["train", *argv, "--epochs", "2"]) == 0
+
+
+def captionless_shards(shards, folder):
+    """The reference shards without their .txt members: the index counts the samples, the first batch has none."""
+    import tarfile
+    from pathlib import Path
+
+    folder.mkdir()
+    source = Path(shards.train.replace("{000000..000000}", "000000"))
+    with tarfile.open(source) as tar, tarfile.open(folder / source.name, "w") as out:
+        for member in tar.getmembers():
+            if not member.name.endswith(".txt"):
+                out.addfile(member, tar.extractfile(member))
+    return str(folder / source.name)
+
+
+@pytest.mark.parametrize("resume", [(), ("--resume", "latest")])
+def test_a_start_refused_late_leaves_no_run_folder(setup, tmp_path, capsys, resume):
+    """A data error found at the first batch (exit 2) removes what the start created; the same --name then
+    starts again (not 'already exists'); a resumed folder keeps everything, its log included."""
+    shards, model = setup
+    nocap = captionless_shards(shards, tmp_path / "nocap")
+    argv = run_argv(shards, model, tmp_path / "logs", "run", *resume, epochs=1, workers=0)
+    argv[argv.index("--train-data") + 1] = nocap
+    for _ in range(2):
+        exit_2_one_line(capsys, argv, "--train-data: no usable sample left", "missing caption (.txt)")
+        assert not (tmp_path / "logs").exists()
+    train_in_process(run_argv(shards, model, tmp_path, "kept", epochs=1, workers=0))
+    before = sorted(p.name for p in (tmp_path / "kept").rglob("*"))
+    argv = run_argv(shards, model, tmp_path, "kept", "--resume", "latest", epochs=2, workers=0)
+    argv[argv.index("--train-data") + 1] = nocap
+    exit_2_one_line(capsys, argv, "--train-data: no usable sample left")
+    after = sorted(p.name for p in (tmp_path / "kept").rglob("*"))
+    assert set(before) <= set(after) and "out.log" in after and "epoch_1.pt" in after
+    # resumed from another run's checkpoint into a new folder (which links it in): the new folder goes too
+    argv[argv.index("--name") + 1] = "other"
+    argv[argv.index("--resume") + 1] = str(tmp_path / "kept/checkpoints/epoch_1.pt")
+    exit_2_one_line(capsys, argv, "--train-data: no usable sample left")
+    assert not (tmp_path / "other").exists() and (tmp_path / "kept/checkpoints/epoch_1.pt").is_file()
+
+
+@pytest.mark.parametrize("resume", [(), ("--resume", "latest")])
+def test_a_run_folder_path_that_is_a_file(setup, tmp_path, capsys, resume):
+    shards, model = setup
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs/run").write_text("mine")
+    exit_2_one_line(capsys, run_argv(shards, model, tmp_path / "logs", "run", *resume, workers=0),
+                    f"--logs-dir {tmp_path / 'logs'} --name run: {tmp_path / 'logs/run'} is a file, not a folder")
+    assert (tmp_path / "logs/run").read_text() == "mine"
+
+
+def test_resume_params_files_are_never_overwritten(setup, tmp_path):
+    shards, model = setup
+    one = ("--train-num-samples", "32")  # one step an epoch
+    train_in_process(run_argv(shards, model, tmp_path, "p", *one, epochs=1, workers=0))
+    epoch_1 = str(tmp_path / "p/checkpoints/epoch_1.pt")
+    for lr in ("0.0005", "0.0002"):
+        train_in_process(run_argv(shards, model, tmp_path, "p", *one, "--resume", epoch_1, "--lr", lr, workers=0))
+    root = tmp_path / "p"
+    assert sorted(p.name for p in root.glob("params*.txt")) == ["params-resume-epoch_1-2.txt",
+                                                                 "params-resume-epoch_1.txt", "params.txt"]
+    assert "lr: 0.0005" in (root / "params-resume-epoch_1.txt").read_text()
+    assert "lr: 0.0002" in (root / "params-resume-epoch_1-2.txt").read_text()
+    assert "lr: 0.001" in (root / "params.txt").read_text()
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--pretrained"])
+def test_a_text_file_given_as_a_checkpoint_is_one_line(setup, tmp_path, capsys, flag):
+    shards, model = setup
+    (tmp_path / "notes.txt").write_text("epoch 3 looked good\n")
+    exit_2_one_line(capsys, run_argv(shards, model, tmp_path, "run", flag, str(tmp_path / "notes.txt"), workers=0),
+                    f"{flag} {tmp_path / 'notes.txt'}: not a torch checkpoint or safetensors file (it starts with "
+                    f"'epoch 3 looked good")
+    assert not (tmp_path / "run").exists()

@@ -26,3 +26,9 @@ def test_fractional_positions_stay_on_the_curve_and_under_the_rate(kind):
         assert min(low, high) <= lr <= max(low, high) <= 2e-3, (position, lr)
         assert opt.param_groups[0]["lr"] == lr
     assert schedule(3.333) == pytest.approx(2e-3)  # open_clip's (step + 1) / warmup at 3.333 would give 0.002167
+
+
+def test_a_fractional_position_in_the_last_step_holds_the_rate():
+    # warm-up over every step: open_clip's cosine is undefined after the last one (0 steps of decay)
+    schedule = make_scheduler(optimizer(), 2e-3, 8, 8, "cosine")
+    assert schedule(7) == pytest.approx(2e-3) and schedule(7.5) == pytest.approx(2e-3)

@@ -162,8 +162,14 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
 
 
 def test_stop_file_is_cleared_on_start(shards, tmp_path):
+    """A STOP file older than the launch (here, this process's start) is a request of an earlier start."""
+    import os
+
+    from naflex_accum.train.preempt import launch_time
+
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "STOP").write_text("")
+    os.utime(tmp_path / "run" / "STOP", (launch_time() - 60, launch_time() - 60))
     result = train(argv(shards, tmp_path, "run", "--epochs", "1", "--resume", "latest"))
     assert not result["preempted"] and result["epoch"] == 1
 

@@ -15,6 +15,13 @@ decides, as before, whether the image decodes or is counted undecodable. A full
 decode is never done twice, and at scale 1 the result is the full path's bit
 for bit (``mode="full"`` always takes it). How far the scaled pixels move from
 the full path's is measured in ``benchmarks/bench_data.py --photos``.
+
+Memory: no decode holds more than ``DECODE_BUDGET`` bytes at once (as
+``images.peak_bytes`` bounds it from the header, before anything is decoded).
+An image whose full decode would take more is decoded reduced where that fits
+(a ``scalable`` JPEG, at the smallest DCT reduction whose decode fits, in either
+mode, then resized to the same target), and otherwise raises ``ValueError``: the
+pipeline counts it unusable, as an undecodable image.
 """
 import logging
 from typing import Optional, Tuple
@@ -22,13 +29,17 @@ from typing import Optional, Tuple
 import torch
 
 from ..errors import UsageError
-from .images import ImageInfo, decode_rgb, inspect
+from .images import ImageInfo, decode_rgb, inspect, peak_bytes
 from .patches import resize_for_seq, size_for_seq
 
 log = logging.getLogger(__name__)
 
 DECODE_MODES = ("scaled", "full")  # --image-decode
 FACTORS = (8, 4, 2)  # libjpeg-turbo's DCT reductions whose IDCTs it vectorises; largest first
+# Bytes one image's decode may hold at once, in each process that decodes (a loader worker, or the trainer with
+# --workers 0): every 8-bit RGB JPEG, PNG or WebP under Pillow's pixel limit fits, a 16-bit RGBA PNG up to 93
+# megapixels (a few MB of PNG can hold more), one of Pillow's formats up to 58 (docs/data.md "Decode memory")
+DECODE_BUDGET = 1 << 30
 _simplejpeg = None
 
 
@@ -74,6 +85,23 @@ def scaled_jpeg(data: bytes, info: ImageInfo, factor: int) -> Optional[torch.Ten
     return torch.from_numpy(pixels).permute(2, 0, 1)
 
 
+def _reduced(info: ImageInfo, factor: int) -> ImageInfo:
+    return info._replace(height=-(-info.height // factor), width=-(-info.width // factor))
+
+
+def _within_budget(info: ImageInfo, factor: int) -> int:
+    """The smallest DCT reduction, at least ``factor``, whose decode of ``info`` fits ``DECODE_BUDGET``; 0 if none."""
+    return next((f for f in (1,) + FACTORS[::-1] if f >= factor and peak_bytes(_reduced(info, f)) <= DECODE_BUDGET),
+                0)
+
+
+def over_budget(info: ImageInfo) -> str:
+    """Why ``info``'s image is not decoded: what its decode would take against ``DECODE_BUDGET``."""
+    kind = f"{'16-bit ' if info.bits16 else ''}{info.format.upper()}{' with alpha' if info.alpha else ''}"
+    return (f"a {info.width}x{info.height} {kind} image takes about {peak_bytes(info) >> 20} MiB to decode, over "
+            f"the {DECODE_BUDGET >> 20} MiB one decode may take (naflex_accum.data.decode.DECODE_BUDGET)")
+
+
 def decode_for_seq(data: bytes, seq_len: int, patch_size: int, mode: str = "scaled",
                    info: Optional[ImageInfo] = None) -> torch.Tensor:
     """uint8 ``[3, h, w]``, ``(h, w) = size_for_seq`` of the full image: see the module docstring."""
@@ -81,13 +109,17 @@ def decode_for_seq(data: bytes, seq_len: int, patch_size: int, mode: str = "scal
     from torchvision.transforms.v2.functional import resize_image
 
     info = inspect(data) if info is None else info
-    if mode == "scaled" and info.scalable:
+    over = peak_bytes(info) > DECODE_BUDGET
+    if info.scalable and (mode == "scaled" or over):
         target = size_for_seq((info.height, info.width), patch_size, seq_len)
-        factor = dct_factor((info.height, info.width), target)
+        factor = dct_factor((info.height, info.width), target) if mode == "scaled" else 1
+        factor = _within_budget(info, factor) if over else factor
         if factor > 1:
             pixels = scaled_jpeg(data, info, factor)
             if pixels is not None:
                 if tuple(pixels.shape[-2:]) == target:
                     return pixels
                 return resize_image(pixels, list(target), interpolation=InterpolationMode.BICUBIC, antialias=True)
+    if over:
+        raise ValueError(over_budget(info))
     return resize_for_seq(decode_rgb(data, info), seq_len, patch_size)

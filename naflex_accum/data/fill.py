@@ -1,37 +1,51 @@
 """Filling a batch's rows: each row takes the sample at its position, or a stand-in where that one cannot serve.
 
-Invariant: a row holds the sample at its global position (``slots.EpochOrder``)
-unless that sample is unusable (``samples.checked`` refuses it, or its decode
-raises) or, with resampling, one of its slot's rows of this batch already holds
-it; then the row holds a stand-in: the next usable sample of the same slot's
-pass after the slot's rows of this batch (then from the pass's start; with
-resampling, from the rounds after). A stand-in's id is none that a position of
-the batch holds, nor one another stand-in of the batch took: the slots' parts
-are disjoint, one worker fills all of a slot's rows of a pass, and in a batch
-that spans two passes a stand-in of pass ``q`` has an id of parity ``q`` (so the
-two passes' stand-ins of one slot differ). So no batch holds a sample twice.
+Invariant: a contrastive batch is an optimizer step's window (its
+``--accum-freq`` microbatches, every rank's rows: the loss is the window's).
+A row holds the sample at its global position (``slots.EpochOrder``) unless
+that sample is unusable (``samples.checked`` refuses it, or its decode raises)
+or, with resampling, one of its slot's rows of this window already holds it;
+then the row holds a stand-in: the next usable sample of the same slot's pass
+after the slot's rows of this window (then from the pass's start; with
+resampling, from the rounds after), and where that part has none, another
+part's sample that ``owner`` gives to this slot. A stand-in's id is none that a
+position of the window holds, nor one another stand-in of the window took: the
+slots' parts are disjoint, one worker fills all of a slot's rows of a pass,
+stand-ins from other parts are dealt to slots by id, and in a window that spans
+two passes a stand-in of pass ``q`` has an id of parity ``q`` (so the two passes'
+stand-ins of one slot differ). So no window holds a sample twice.
 What the positions hold is computed, not read, so every worker and rank agrees
 on it; a stand-in depends only on the data, so a resumed epoch takes the same
-ones. Unusable samples are reported (``Corruption``) and stand-ins counted.
+ones. Rows whose sample is unusable and rows that took a stand-in are counted
+(the same whatever the world size or workers); every unusable sample met is
+reported (``Corruption``).
 """
-from typing import Callable, Dict, Iterator, List, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
 from ..errors import UsageError
 from .reading import Item, PassReader
-from .samples import IMAGE_EXTS, Corruption, checked
+from .samples import Corruption, checked
 from .slots import EpochOrder
 
 # Unusable samples in a row before giving up: only a data set with (almost) nothing usable gets there.
 MAX_CONSECUTIVE_FAILURES = 1000
-_MIX = np.uint64(0x9E3779B97F4A7C15)
+_MIX = 0x9E3779B97F4A7C15
+
+
+def _mixed(sample_id: int) -> int:
+    return (sample_id * _MIX) & 0xFFFFFFFFFFFFFFFF
 
 
 def parity(sample_id: int) -> int:
-    """A fixed pseudo-random bit of a sample id (which pass of a straddling batch may take it as a stand-in)."""
-    with np.errstate(over="ignore"):
-        return int((np.uint64(sample_id) * _MIX) >> np.uint64(63))
+    """A fixed pseudo-random bit of a sample id (which pass of a straddling window may take it as a stand-in)."""
+    return _mixed(sample_id) >> 63
+
+
+def owner(sample_id: int, slots: int) -> int:
+    """The slot that may take ``sample_id`` as a stand-in from another slot's part (one slot per id)."""
+    return (_mixed(sample_id) >> 20) % slots
 
 
 class Readers:
@@ -62,7 +76,8 @@ class Readers:
 
 
 class BatchFill:
-    """The rows of the batch at global positions ``lo`` to ``hi`` that one worker fills."""
+    """The rows one worker fills of one contrastive batch: an optimizer step's window (its microbatches, every rank's
+    rows), at global positions ``lo`` to ``hi``."""
 
     def __init__(self, order: EpochOrder, readers: Readers, lo: int, hi: int, report: Corruption, flag: str,
                  failures: List[int]):
@@ -70,12 +85,14 @@ class BatchFill:
         self.lo, self.hi = lo, hi
         self.straddles = not order.resampled and order.passes(lo) != order.passes(hi - 1)
         self._portions: Dict[int, Tuple[List[Tuple[int, int, int]], Dict[Tuple[int, int], int]]] = {}
+        self._window_ids: Optional[Set[int]] = None
         self.used: Dict[int, Set[int]] = {}
-        self.standins = 0
-        self.failures = failures  # [consecutive unusable samples], carried from batch to batch
+        self.unusable = 0  # rows whose own sample could not serve
+        self.standins = 0  # rows that took a stand-in (their sample unusable, or with resampling a repeat)
+        self.failures = failures  # [consecutive unusable samples], carried from window to window
 
     def portion(self, slot: int):
-        """``(emission ranges, {(pass, emission): id})`` of ``slot``'s positions in this batch."""
+        """``(emission ranges, {(pass, emission): id})`` of ``slot``'s positions in this window."""
         if slot not in self._portions:
             ranges = self.order.emissions(slot, self.lo, self.hi)
             ids: Dict[Tuple[int, int], int] = {}
@@ -84,6 +101,12 @@ class BatchFill:
                 ids.update(((q, e), i) for e, i in zip(range(first, end), found))
             self._portions[slot] = (ranges, ids)
         return self._portions[slot]
+
+    def window_ids(self) -> Set[int]:
+        """The ids at every position of the window, every slot's (for stand-ins from other slots' parts)."""
+        if self._window_ids is None:
+            self._window_ids = {i for slot in range(self.order.slots) for i in self.portion(slot)[1].values()}
+        return self._window_ids
 
     def take(self, slot: int, q: int, emission: int, use: Callable):
         """``use(sample)`` for the row at ``(slot, q, emission)``: its own sample, else a stand-in's."""
@@ -95,15 +118,19 @@ class BatchFill:
             if result is not None:
                 used.add(sample_id)
                 return result
-        for q2, e2, id2 in self._candidates(slot, q):
-            result = self._try(slot, q2, e2, use)
+            self.unusable += 1
+        for q2, e2, id2, part in self._candidates(slot, q):
+            result = self._try(part, q2, e2, use)
             if result is not None:
                 used.add(id2)
                 self.standins += 1
                 return result
-        raise UsageError(f"{self.flag}: no usable sample left in slot {slot}'s part of the data set to stand in "
-                         f"for an unusable one (each sample needs an image .{'/.'.join(IMAGE_EXTS)} and a "
-                         f"non-empty .txt caption); last problem: {self.report.last}")
+        if self.report.last is None:
+            raise UsageError(f"{self.flag}: slot {slot}'s draws repeat the samples already in one optimizer step's "
+                             f"window (its part holds {self.order.part_size(slot)}); lower --data-slots (or "
+                             f"--workers), or the spread of --train-data-upsampling-factors")
+        raise UsageError(f"{self.flag}: no usable sample left to stand in for an unusable one in slot {slot}'s "
+                         f"window; last problem: {self.report.last}")
 
     def _try(self, slot: int, q: int, emission: int, use: Callable):
         key, url, files = self.readers.get(slot, q, emission)
@@ -125,24 +152,31 @@ class BatchFill:
                              f"{self.report.last}")
         return None
 
-    def _candidates(self, slot: int, q: int) -> Iterator[Tuple[int, int, int]]:
-        """``(pass, emission, id)`` of the stand-ins ``slot``'s pass ``q`` may offer, in order of preference."""
+    def _candidates(self, slot: int, q: int) -> Iterator[Tuple[int, int, int, int]]:
+        """``(pass, emission, id, slot read)`` of the stand-ins for ``slot``'s pass ``q``, in order of preference:
+        its own part's samples after its rows of the window (then from the pass's start; with resampling, the
+        rounds after), then, where that part has none usable, other parts' samples whose id ``owner`` gives to
+        this slot (so no two slots pick the same one)."""
         ranges, positions = self.portion(slot)
-        ids = set(positions.values())
+        taken = set(positions.values())
         mine = [(first, end) for q_, first, end in ranges if q_ == q]
         first, end = mine[0][0], mine[-1][1]
         if self.order.resampled:  # the rounds after: at most as many draws as a few parts' worth
-            spans = ((q + k, end if k == 0 else 0, None) for k in range(4 + 4 * len(self.order.parts[slot])))
+            spans = [(slot, q + k, end if k == 0 else 0, None) for k in range(4 + 4 * len(self.order.parts[slot]))]
         else:
-            spans = iter([(q, end, None), (q, 0, first)])
-        for q2, start, stop in spans:
-            order = self.order.order(slot, q2)
+            spans = [(slot, q, end, None), (slot, q, 0, first)]
+        others = [(slot + k) % self.order.slots for k in range(1, self.order.slots)]
+        spans += [(t, q if not self.order.resampled else 0, 0, None) for t in others]
+        for part, q2, start, stop in spans:
+            order = self.order.order(part, q2)
             stop = order.length if stop is None else stop
             for at in range(start, stop, 256):
                 chunk = np.arange(at, min(stop, at + 256))
                 for e2, id2 in zip(chunk.tolist(), order.ids(chunk).tolist()):
-                    if id2 in ids or id2 in self.used[slot]:
+                    if id2 in taken or id2 in self.used[slot]:
+                        continue
+                    if part != slot and (owner(id2, self.order.slots) != slot or id2 in self.window_ids()):
                         continue
                     if self.straddles and parity(id2) != q % 2:
                         continue
-                    yield q2, e2, id2
+                    yield q2, e2, id2, part

@@ -18,9 +18,15 @@ samples as undecodable without the skip decoding anything. ``readable(data)`` is
 the read-time check: a known signature, else Pillow identifies the format. For a
 JPEG the header walk also reads the frame (kind, sample precision, components)
 and any EXIF orientation, which make ``ImageInfo.scalable``: whether ``decode``'s
-DCT-scaled path would convert it exactly as ``decode_rgb`` does.
+DCT-scaled path would convert it exactly as ``decode_rgb`` does. From the header's
+size, sample depth and alpha, ``peak_bytes(info)`` bounds the memory ``decode_rgb``
+holds at once (its decoder's output, the one copy made of it, the result), before
+anything is decoded: no whole-image intermediate is wider than a byte a sample
+(16-bit samples are read through a view of their high bytes, alpha is composited
+a strip at a time, in place).
 """
 import io
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -29,6 +35,11 @@ import torch
 _JPEG, _PNG, _WEBP = "jpeg", "png", "webp"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _WHITE = 255
+_HIGH_BYTE = 1 if sys.byteorder == "little" else 0  # of a native uint16 sample
+STRIP_PIXELS = 1 << 16  # pixels composited at once: int32 intermediates of a strip, never of the whole image
+# Bytes a pixel Pillow's path may hold at once: its image (4 bytes a pixel for most modes), a converted copy, the
+# bytes and the numpy array Pillow's array interface makes of that, and the result (measured: docs/data.md)
+PILLOW_BYTES_PER_PIXEL = 18
 
 
 class ImageInfo(NamedTuple):
@@ -174,6 +185,22 @@ def inspect(data: bytes) -> ImageInfo:
         return ImageInfo(img.format or "unknown", img.height, img.width, torchvision=False)
 
 
+def peak_bytes(info: ImageInfo) -> int:
+    """About the most memory ``decode_rgb`` holds at once for ``info``'s image, from its header alone: the
+    decoder's output (torchvision's: 3 samples a pixel, 4 with alpha, 2 bytes each at 16 bits), the one uint8
+    copy made of it (composited over white, or the high bytes of 16-bit samples), Pillow's images and arrays,
+    and half a byte a pixel for the strips and the resize's intermediate rows."""
+    pixels = info.height * info.width
+    if not info.torchvision:
+        per_pixel = PILLOW_BYTES_PER_PIXEL
+    elif info.format == _JPEG:
+        per_pixel = 3  # decode_jpeg converts grey, CMYK and YCCK to RGB as it goes
+    else:
+        per_pixel = (4 if info.alpha else 3) * (2 if info.bits16 else 1) + (3 if info.alpha or info.bits16 else 0)
+        per_pixel += info.format == _WEBP and info.alpha  # libwebp's alpha plane
+    return per_pixel * pixels + pixels // 2
+
+
 def channels_last(img: torch.Tensor) -> torch.Tensor:
     """``[C, H, W]`` laid out ``[H, W, C]`` in memory (a no-op for torchvision's decoders' output)."""
     c, _, w = img.shape
@@ -183,10 +210,26 @@ def channels_last(img: torch.Tensor) -> torch.Tensor:
 
 
 def over_white(rgba: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[4, H, W]`` RGBA -> ``[3, H, W]`` RGB composited over white, rounded to nearest."""
-    alpha = rgba[3:].to(torch.int32)
-    out = (rgba[:3].to(torch.int32) * alpha + _WHITE * (255 - alpha) + 127) // 255
-    return channels_last(out.to(torch.uint8))
+    """uint8 ``[4, H, W]`` RGBA -> ``[3, H, W]`` RGB (channels-last) composited over white, rounded to nearest.
+
+    ``STRIP_PIXELS`` pixels at a time, in place: the int32 arithmetic never spans the whole image."""
+    _, h, w = rgba.shape
+    out = torch.empty((h, w, 3), dtype=torch.uint8)
+    rows = max(1, STRIP_PIXELS // max(1, w))
+    for y in range(0, h, rows):
+        strip = rgba[:, y:y + rows]
+        alpha = strip[3:].to(torch.int32)
+        mixed = strip[:3].to(torch.int32).mul_(alpha)
+        mixed.add_(alpha.neg_().add_(255).mul_(_WHITE)).add_(127).div_(255, rounding_mode="floor")
+        out[y:y + rows].copy_(mixed.permute(1, 2, 0))
+    return out.permute(2, 0, 1)
+
+
+def high_bytes(img: torch.Tensor) -> torch.Tensor:
+    """uint16 ``[C, H, W]`` (channels-last memory, as torchvision's decoders give) -> a uint8 view of each
+    sample's high byte (``v >> 8``), with no copy."""
+    hwc = channels_last(img).permute(1, 2, 0)
+    return hwc.view(torch.uint8)[..., _HIGH_BYTE::2].permute(2, 0, 1)
 
 
 _quiet = False
@@ -214,7 +257,7 @@ def _torchvision(data: bytes, info: ImageInfo) -> torch.Tensor:
     if info.format == _PNG:
         img = decode_png(raw, mode=mode, apply_exif_orientation=True)
         if info.bits16:
-            img = (img.to(torch.int32) >> 8).to(torch.uint8)
+            img = high_bytes(img)
     else:
         img = decode_webp(raw, mode=mode)
     return over_white(img) if info.alpha else img
@@ -233,8 +276,9 @@ def _pillow(data: bytes) -> torch.Tensor:
         if mode == "F":
             raise ValueError("a floating-point image (mode F) has no defined 8-bit scale")
         if mode.startswith("I"):  # I;16, I;16B, I;16L, I;16N, I: 16-bit (or 32-bit integer) grey
-            grey = np.asarray(img).astype(np.int64)
-            if grey.size and (grey.min() < 0 or grey.max() > 0xFFFF):
+            grey = np.asarray(img)  # uint16, or int32 for mode I: shifted as it is, never widened
+            wide = grey.dtype.kind != "u" or grey.dtype.itemsize > 2
+            if grey.size and wide and (grey.min() < 0 or grey.max() > 0xFFFF):
                 raise ValueError(f"a mode {mode} image with values outside 0..65535 has no defined 8-bit scale")
             planes = [(grey >> 8).astype(np.uint8)] * 3
             if key is None:

@@ -7,8 +7,9 @@ from a count of each shard's samples (its key groups, ``samples.count_samples``)
 kept in a cache file (``cache_dir()``) and reused while the file's size and
 modification time are unchanged (``pipe:`` and remote URLs: while the URL is).
 A count reads every tar header of a local shard (seeking past the data) and the
-whole stream of a ``pipe:`` or remote one. A cache that cannot be written costs a
-count at each start, with one warning, never the run.
+whole stream of a ``pipe:`` (``pipes``) or remote one. A cache that cannot be
+written costs a count at each start, with one warning, never the run; a shard the
+OS cannot read raises ``samples.ShardReadError`` (exit 74), never a short count.
 """
 import hashlib
 import json
@@ -18,7 +19,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .samples import count_samples
+from ..errors import TransientError, UsageError
+from .samples import count_samples, shard_error
 from .shards import local_path
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,29 @@ def cache_dir() -> str:
     return os.path.join(base, "naflex-accum")
 
 
+def same_file(url: str):
+    """What identifies a shard whatever its spelling: a local file's device and inode (a symlink, ``./`` or
+    ``file:`` name the same), else the URL itself."""
+    path = local_path(url)
+    if path is None:
+        return url
+    try:
+        info = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return info.st_dev, info.st_ino
+
+
+def canonical(url: str) -> str:
+    """A shard's name in a checkpoint's shard list: a local file's real path (relative and absolute spellings
+    alike), else the URL."""
+    path = local_path(url)
+    return url if path is None else os.path.realpath(path)
+
+
 def _listed(urls: Sequence[str]) -> Dict[str, int]:
-    """``{url: count}`` for the local shards their folder's ``sizes.json`` lists (open_clip's convention)."""
+    """``{url: count}`` for the local shards their folder's ``sizes.json`` lists (open_clip's convention); a count
+    the file cannot hold is one line."""
     folders: Dict[str, dict] = {}
     out = {}
     for url in urls:
@@ -52,6 +75,11 @@ def _listed(urls: Sequence[str]) -> Dict[str, int]:
             folders[folder] = listing if isinstance(listing, dict) else {}
         count = folders[folder].get(os.path.basename(path))
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            most = os.path.getsize(path) // 512  # every sample's first member costs a 512-byte tar header
+            if count > most:
+                raise UsageError(f"{os.path.join(folder, SIZES_FILE)} lists {count} samples for "
+                                 f"{os.path.basename(path)}, more than its {os.path.getsize(path)} bytes can hold "
+                                 f"(at most {most}); correct or delete that entry (the shard is then counted)")
             out[url] = count
     return out
 
@@ -66,7 +94,10 @@ def _stamp(url: str) -> Optional[Tuple[int, int]]:
     path = local_path(url)
     if path is None:
         return None
-    info = os.stat(path)
+    try:
+        info = os.stat(path)
+    except OSError as exc:  # there a moment ago (expand_urls checked it): its storage failed
+        raise shard_error(url, exc) from None
     return info.st_size, info.st_mtime_ns
 
 
@@ -84,16 +115,18 @@ def _read_cache(path: str) -> Dict[str, list]:
         return {}
 
 
-def _write_cache(path: str, entries: Dict[str, list]) -> None:
+def _write_cache(path: str, entries: Dict[str, list]) -> bool:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".sizes-")
         with os.fdopen(fd, "w") as f:
             json.dump(entries, f)
-        os.replace(tmp, path)  # several ranks may count at once: each writes whole, the last one stays
+        os.replace(tmp, path)  # several processes may count at once: each writes whole, the last one stays
+        return True
     except OSError as exc:
         log.warning(f"cannot cache shard sizes in {path} ({exc}); set NAFLEX_ACCUM_CACHE to a writable folder "
                     f"to count them once")
+        return False
 
 
 def shard_sizes(urls: Sequence[str], flag: str = "--train-data") -> List[int]:
@@ -112,14 +145,18 @@ def shard_sizes(urls: Sequence[str], flag: str = "--train-data") -> List[int]:
         if isinstance(entry, list) and len(entry) == 2 and entry[0] == stamp and isinstance(entry[1], int):
             continue
         count, problem = count_samples(url)
+        if problem is not None and stamp is None:
+            # a pipe: or remote source that failed may work at the next start: no epoch is cut from a guess
+            raise TransientError(f"{flag}: cannot count the samples of {url!r} ({problem}); run again once it "
+                                 f"reads, or list it in a {SIZES_FILE}")
         counted[url] = count
         if problem is None:
             cached[url] = [stamp, count]
-        else:  # not cached: a pipe that failed once may work the next time
+        else:  # a local file damaged part-way: its samples before the damage, not cached (it may be replaced)
             log.warning(f"{flag}: shard {url} cannot be read past its sample {count} ({problem}); its "
                         f"{count} samples before that are used")
     if counted:
+        kept = _write_cache(path, {url: cached[url] for url in missing if url in cached})
         log.info(f"{flag}: counted the samples of {len(counted)} shard(s) without a {SIZES_FILE} in "
-                 f"{time.perf_counter() - started:.1f} s; kept in {path} for the next start")
-        _write_cache(path, {url: cached[url] for url in missing if url in cached})
+                 f"{time.perf_counter() - started:.1f} s" + (f"; kept in {path} for the next start" if kept else ""))
     return [listed[url] if url in listed else counted[url] if url in counted else cached[url][1] for url in urls]

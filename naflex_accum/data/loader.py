@@ -10,21 +10,23 @@ which are also logged (the first ``LOG_LIMIT`` distinct ones of an epoch
 individually, then a summary). The worker processes of a train loader live across
 epochs; with ``pin_memory`` (for CUDA) batches arrive in pinned memory. A worker
 that dies, raises or sends nothing for ``DataConfig.timeout`` seconds raises
-torch's error in the main process, which ``workers.failure`` names in one line.
+torch's error in the main process, which ``workers.failure`` names in one line;
+reading in this process, a wait that long raises ``alarm.LoaderTimeout``.
 """
+import functools
 import gc
 import logging
 import signal
-from collections import Counter
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from ..errors import UsageError, check_int
+from .alarm import bounded
 from .assemble import Pool, assemble
 from .decode import check_mode
 from .handover import Receiver
-from .index import listed_total, shard_sizes
+from .index import listed_total, same_file, shard_sizes
 from .order import Segment, check_slots, default_slots
 from .pipeline import TrainStream, ValStream
 from .ring import Ring
@@ -73,14 +75,15 @@ class _Counter:
             if len(self.logged) <= LOG_LIMIT:
                 log.warning("%s: %s %s", self.what, what, message)
             else:
-                log.warning("%s: further corrupt samples are counted in stats['corrupt'] only", self.what)
+                log.warning("%s: further unusable samples are counted, not logged one by one", self.what)
 
     def close(self):
         if not self.stats["corrupt"] and not self.stats.get("standins"):
             return
         if self.train:
-            log.warning("%s: %d unusable samples; %d rows stood in by other samples of their slots (%d used)",
-                        self.what, self.stats["corrupt"], self.stats["standins"], self.stats["samples"])
+            log.warning("%s: %d rows' samples were unusable; %d rows took a stand-in (another sample of their "
+                        "slot; %d rows in all)", self.what, self.stats["corrupt"], self.stats["standins"],
+                        self.stats["samples"])
         else:
             log.warning("%s: skipped %d corrupt samples (%d used)", self.what, self.stats["corrupt"],
                         self.stats["samples"])
@@ -124,14 +127,16 @@ def _data_loader(dataset, workers: int, pin_memory: bool, persistent: bool = Fal
 def _iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -> Iterator:
     """``(batch, meta)`` from ``source`` (a dataset, or a DataLoader over one); pinned if asked (and CUDA is).
 
-    A wait of over ``timeout`` seconds (0: none) for the workers' next batch stops them (``workers``).
+    A wait of over ``timeout`` seconds (0: none) for the next batch stops the workers (``workers``), or, reading in
+    this process, the read and its ``pipe:`` commands (``alarm``).
     """
     source = iter(source)
     watch = register_workers(source, timeout)  # a failure names its worker; the run's end stops them all
+    waiting = watch.waiting if getattr(source, "_workers", None) else functools.partial(bounded, timeout)
     pin = pin_memory and torch.cuda.is_available()
     while True:
         raise_pending()  # a worker that died while the batch before was used fails the run here
-        with watch.waiting():
+        with waiting():
             try:
                 item = next(source, None)
             except Exception as exc:
@@ -176,7 +181,7 @@ class TrainLoader:
                              f"({num_tokens}), not both: each sizes the epoch")
         self.slots = check_slots(default_slots(cfg.world_size, cfg.workers) if cfg.slots is None else cfg.slots,
                                  cfg.world_size)
-        self.index = _data_index(cfg)
+        self.index = cfg.index if cfg.index is not None else data_index(cfg)
         if num_samples is None and num_tokens is None:
             num_samples = self.index.total  # the default epoch: the data set, once
         self._target = (num_samples, num_tokens)
@@ -211,8 +216,9 @@ class TrainLoader:
             what = "each sample once" if epoch == total else "each sample at most once"
             return f"--train-data: {data}; an epoch of {epoch} samples holds {what}{left}"
         passes, rest = divmod(epoch, total)
+        more = f", and {rest} samples of one more" if rest else ""
         return (f"--train-data: {data}; an epoch of {epoch} samples is {passes} whole pass(es) over the data set, "
-                f"each its own order, and {rest} samples of one more{left}")
+                f"each its own order{more}{left}")
 
     def __len__(self) -> int:
         return self.num_batches
@@ -290,7 +296,7 @@ class TrainLoader:
     def _source(self) -> Iterator:
         if self.cfg.workers == 0:
             stream = self.stream()
-            return _iterate(stream, self.pin_memory, Receiver(stream.flags))
+            return _iterate(stream, self.pin_memory, Receiver(stream.flags), self.cfg.timeout)
         if self._workers is None:  # built once: its workers read the shared position at each epoch's start
             self._ring = self._ring or self._make_ring()
             stream = self.stream(self._position, self._ring)
@@ -356,8 +362,9 @@ class ValLoader:
     """Every held-out sample once, in a fixed order, in batches of ``batch_size`` (the last may be smaller)."""
 
     def __init__(self, val_data: str, tokenizer: Callable, seq_len: int = 144, batch_size: int = 64,
-                 patch_size: int = 16, workers: int = 0, pin_memory: bool = False, decode: str = "scaled"):
-        self.urls = expand_urls(val_data, "--val-data")
+                 patch_size: int = 16, workers: int = 0, pin_memory: bool = False, decode: str = "scaled",
+                 timeout: float = 0.0):
+        self.urls, self.timeout = expand_urls(val_data, "--val-data"), timeout
         self.decode = check_mode(decode)
         self.seq_len = check_int(seq_len, "val seq_len", 1, "an integer >= 1")
         self.batch_size = check_int(batch_size, "val batch_size", 1, "an integer >= 1")
@@ -383,7 +390,7 @@ class ValLoader:
         stream = ValStream(self.urls, self.seq_len, self.batch_size, self.patch_size, self.tokenizer, self.decode)
         count = min(self.workers, len(self.urls))
         source = _iterate(_data_loader(stream, count, self.pin_memory) if count else stream, self.pin_memory,
-                          Receiver())
+                          Receiver(), self.timeout)
         try:
             for batch, meta in source:
                 if batch is None and "error" in meta:
@@ -398,17 +405,27 @@ class ValLoader:
         counter.close()
 
 
-def _data_index(cfg: DataConfig) -> DataIndex:
-    """The shards of ``--train-data``, their sizes (``index.shard_sizes``), sources and resampling weights."""
+def data_index(cfg: DataConfig) -> DataIndex:
+    """The shards of ``--train-data``, their sizes (``index.shard_sizes``), sources and resampling weights.
+
+    A distributed run makes it once (on rank 0) and gives it to every rank (``DataConfig.index``): the ranks
+    must cut their epochs from the same sizes, whatever each would have counted of a flaky source.
+    """
     sources = expand_sources(cfg.train_data, "--train-data")
     urls = [url for source in sources for url in source]
-    twice = next((url for url, n in Counter(urls).items() if n > 1), None)
-    if twice is not None:
-        raise UsageError(f"--train-data lists shard {twice!r} twice: its samples would come twice an epoch, and "
-                         f"could meet in one batch; list each shard once (to weight sources: --dataset-resampled "
-                         f"with --train-data-upsampling-factors)")
+    seen = {}
+    for url in urls:
+        first = seen.setdefault(same_file(url), url)
+        if first is not url:
+            also = "" if first == url else f" (also as {first!r})"
+            raise UsageError(f"--train-data lists shard {url!r} twice{also}: its samples would come twice an "
+                             f"epoch, and could meet in one batch; list each shard once (to weight sources: "
+                             f"--dataset-resampled with --train-data-upsampling-factors)")
     weights = shard_weights(sources, cfg.upsampling_factors, bool(cfg.dataset_resampled))
-    index = DataIndex(urls, shard_sizes(urls), [k for k, source in enumerate(sources) for _ in source], weights)
+    # a pipe: command that hangs would hold the start for ever (with workers too: the count runs here)
+    with bounded(cfg.timeout, "counting the shards' samples had not ended after"):
+        sizes = shard_sizes(urls)
+    index = DataIndex(urls, sizes, [k for k, source in enumerate(sources) for _ in source], weights)
     if index.total == 0:
         raise UsageError(f"--train-data: its {len(urls)} shard(s) hold no samples (a sample is a run of tar members "
                          f"with one key: an image .{'/.'.join(IMAGE_EXTS)} and a .txt caption)")
@@ -423,20 +440,23 @@ def _check_sizes(index: DataIndex, plan: Schedule, cfg: DataConfig, slots: int, 
                          f"--naflex-seq-lens {min(plan.seq_lens)}): a batch would hold a sample twice; add data or "
                          f"lower --naflex-max-tokens-per-batch")
     if epoch == 0:
-        what = (f"--train-num-samples {target[0]}" if target[0] is not None and target[0] != total
-                else f"the data set's {total} samples" if target[0] is not None
-                else f"--naflex-num-train-image-tokens {target[1]}")
+        if target[0] is None:
+            what, fix = f"--naflex-num-train-image-tokens {target[1]}", "raise it"
+        else:
+            what = f"--train-num-samples {target[0]}" if target[0] != total else f"the data set's {total} samples"
+            fix = "raise --train-num-samples" if target[0] != total else "add data"
         raise UsageError(f"{what} cannot fill one optimizer step ({world} rank(s) x {cfg.accum_freq} batches of "
-                         f"up to {largest}); raise --train-num-samples or lower --accum-freq or the token budget")
-    share = total // slots
-    if cfg.dataset_resampled and share < largest:
+                         f"up to {largest}); {fix}, or lower --accum-freq or --naflex-max-tokens-per-batch")
+    share, window = total // slots, plan.window_rows
+    if cfg.dataset_resampled and share < window:
         raise UsageError(f"--dataset-resampled: each of the {slots} data slots draws from its own {share} samples, "
-                         f"fewer than one batch ({largest}); lower --data-slots (or --workers), or add data")
-    if not cfg.dataset_resampled and epoch > total and share < 2 * largest:
+                         f"fewer than one optimizer step's rows ({window}); lower --data-slots (or --workers), or "
+                         f"add data")
+    if not cfg.dataset_resampled and epoch > total and share < 2 * window:
         raise UsageError(f"an epoch of {epoch} samples spans passes over the {total}-sample data set, and each of the "
-                         f"{slots} data slots' parts ({share}) must hold two batches ({2 * largest}) for passes to "
-                         f"meet without a repeat inside a batch; use --train-num-samples <= {total} with more "
-                         f"--epochs, or lower --data-slots (or --workers)")
+                         f"{slots} data slots' parts ({share}) must hold two optimizer steps' rows ({2 * window}) for "
+                         f"passes to meet without a repeat inside a step; use --train-num-samples <= {total} with "
+                         f"more --epochs, or lower --data-slots (or --workers)")
 
 
 def make_train_loader(cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False) -> TrainLoader:
@@ -446,6 +466,6 @@ def make_train_loader(cfg: DataConfig, tokenizer: Callable, pin_memory: bool = F
 
 def make_val_loader(val_data: str, tokenizer: Callable, seq_len: int = 144, batch_size: int = 64,
                     patch_size: int = 16, workers: int = 0, pin_memory: bool = False,
-                    decode: str = "scaled") -> ValLoader:
-    """The held-out loader (see ValLoader)."""
-    return ValLoader(val_data, tokenizer, seq_len, batch_size, patch_size, workers, pin_memory, decode)
+                    decode: str = "scaled", timeout: float = 0.0) -> ValLoader:
+    """The held-out loader (see ValLoader); ``timeout``: as ``DataConfig.timeout`` (0: none)."""
+    return ValLoader(val_data, tokenizer, seq_len, batch_size, patch_size, workers, pin_memory, decode, timeout)

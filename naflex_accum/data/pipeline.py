@@ -141,7 +141,8 @@ class TrainStream(torch.utils.data.IterableDataset):
             yield None, {"error": str(exc)}
 
     def epoch_order(self, epoch: int, slots: int) -> EpochOrder:
-        return EpochOrder(self.index, self.plan.seed, epoch, slots, self.window, max(self.plan.batch_sizes),
+        # passes kept apart by one optimizer step's window: the contrastive batch the loss sees
+        return EpochOrder(self.index, self.plan.seed, epoch, slots, self.window, self.plan.window_rows,
                           self.resampled)
 
     def _batches(self, worker: int, segment: Optional[Segment] = None, start: Optional[int] = None,
@@ -155,21 +156,25 @@ class TrainStream(torch.utils.data.IterableDataset):
         readers = Readers(order)
         flatten = not self.plan.multi_patch
         generation = int(self.position[7]) if len(self.position) > 7 else 0
-        world = segment.world_size
+        world, k = segment.world_size, self.plan.accum_freq
+        fill, counted = None, (0, 0)
         try:
             for index in range(start or 0, len(specs)):
                 spec: BatchSpec = specs[index]
+                if fill is None or index % k == 0:  # a window's batches share one fill (segments start at one)
+                    first, last = index - index % k, min(len(specs), index - index % k + k) - 1
+                    lo = segment.base + world * firsts[first]
+                    hi = segment.base + world * (firsts[last] + specs[last].batch_size)
+                    fill, counted = BatchFill(order, readers, lo, hi, report, "--train-data", failures), (0, 0)
                 positions = batch_positions(segment, self.rank, firsts[index], spec.batch_size)
                 located = [order.locate(g) for g in positions]
                 order_rows = [row for row, (slot, _, _) in enumerate(located)
                               if slot_worker(slot, world, self.workers) == worker]
                 if not order_rows:
-                    corrupt, messages = report.drain()
-                    yield None, {"index": index, "rows": [], "corrupt": corrupt, "messages": messages,
+                    _, messages = report.drain()
+                    yield None, {"index": index, "rows": [], "corrupt": 0, "messages": messages,
                                  "worker": worker, "standins": 0}
                     continue
-                lo = segment.base + world * firsts[index]
-                fill = BatchFill(order, readers, lo, lo + world * spec.batch_size, report, "--train-data", failures)
                 into, buffer = self._ring_rows(generation, index, spec, order_rows)
                 batch, captions, keys, grid = _part(fill, located, order_rows, spec, self.decode, into,
                                                     None if into else alloc)
@@ -177,8 +182,11 @@ class TrainStream(torch.utils.data.IterableDataset):
                     p = spec.patch_size
                     batch["patches"] = batch["patches"].view(len(order_rows), spec.seq_len, p, p, 3)
                 batch = {"image": batch, "text": self.tokenize(captions)}
+                unusable, standins = fill.unusable - counted[0], fill.standins - counted[1]
+                counted = (fill.unusable, fill.standins)
                 yield batch, dict(batch_meta(index, batch, report), rows=order_rows, keys=keys, worker=worker,
-                                  ring=buffer, grid=grid, seq_len=spec.seq_len, standins=fill.standins)
+                                  ring=buffer, grid=grid, seq_len=spec.seq_len, corrupt=unusable,
+                                  standins=standins)
         finally:
             readers.close()
 

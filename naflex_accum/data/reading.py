@@ -9,11 +9,12 @@ are passed over by their headers); what is read ahead of its emission is held,
 a window at a time (``slots.window_order``), and dropped once its window is
 behind; a request behind the reading point (a stand-in, a swapped emission on a
 resume) reads that one sample again. ``close`` ends the shard reads (a ``pipe:``
-command's stream included).
+command's stream included). A shard the OS cannot read is no missing sample:
+its ``samples.ShardReadError`` propagates.
 """
 from typing import Dict, Iterator, Optional, Tuple
 
-from .samples import shard_groups
+from .samples import ShardReadError, shard_groups
 from .slots import PassOrder
 
 Item = Tuple[Optional[str], str, object]  # (key, url, {ext: bytes}), or (None, url, reason)
@@ -76,6 +77,8 @@ class PassReader:
                 for number, key, files in shard_groups(url, first, piece.stop):
                     yield base + number, (key, url, files)
                     expected = number + 1
+            except ShardReadError:
+                raise
             except Exception as exc:  # a damaged tar, a failed pipe: what the piece still lists is missing
                 reason = f"cannot be read past sample {expected} ({type(exc).__name__}: " \
                          f"{(str(exc).splitlines() or [''])[0]})"

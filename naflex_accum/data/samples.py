@@ -8,14 +8,18 @@ by their headers) agree on. ``checked`` accepts only samples with image bytes of
 a recognisable format (a JPEG/PNG/WebP signature, or a file Pillow identifies)
 and a non-empty UTF-8 caption; everything else is recorded in a ``Corruption``
 report (an exact count and the first messages), never raised. No image header
-is parsed here: the decode stage (``images.inspect``) reads headers.
+is parsed here: the decode stage (``images.inspect``) reads headers. A shard the
+OS cannot read (an error with an errno: the storage failed or went away) is no
+sample's fault: ``tar_members`` raises ``ShardReadError`` for it, which every
+reader here lets through, so the run stops (exit 74) instead of counting it.
 """
+import errno
 import re
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
-from webdataset.gopen import gopen
-
+from ..errors import TransientError, storage_gone
 from .images import readable
+from .pipes import PipeFailed, PipeStream, close_shard, open_shard
 from .tario import iter_tar
 
 IMAGE_EXTS = ("jpg", "png", "jpeg", "webp")
@@ -61,21 +65,39 @@ def _split_name(fname: str):
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
+class ShardReadError(TransientError):
+    """A shard the OS cannot read (storage gone: ENOENT, ESTALE, EIO, ...): the run stops, a later attempt may not."""
+
+
+def shard_error(url: str, exc: OSError) -> ShardReadError:
+    """One line naming the shard and the OS error (and saying so where the error means the storage went away)."""
+    name = errno.errorcode.get(exc.errno, "")
+    gone = "; its storage failed or went away" if storage_gone(exc.errno) else ""
+    return ShardReadError(f"shard {url} cannot be read: [Errno {exc.errno}] {exc.strerror}"
+                          f"{f' ({name})' if name else ''}{gone}")
+
+
 def tar_members(url: str, want: Optional[Callable[[str], bool]] = None) -> Iterator[Tuple[str, Optional[bytes]]]:
-    """(file name, bytes) of each regular file in a tar, via webdataset's gopen (paths, file:, pipe:, ...);
-    ``want`` as ``tario.iter_tar``'s (a member it refuses comes with None, its data unread)."""
-    stream = gopen(url)
-    finished = False
+    """(file name, bytes) of each regular file in a tar (``pipes.open_shard``: paths, file:, pipe:, ...); ``want``
+    as ``tario.iter_tar``'s (a member it refuses comes with None, its data unread). An OS error (one with an
+    errno; a failed command, a damaged archive are none) raises ``ShardReadError``."""
+    stream, finished = None, False
     try:
+        stream = open_shard(url)
         yield from iter_tar(stream, want)
         finished = True
+    except OSError as exc:
+        if exc.errno is None:  # gzip's BadGzipFile, a gopen pipe's exit status: the data, not the storage
+            raise
+        raise shard_error(url, exc) from None
+    except Exception as exc:  # output that broke off: a pipe: command that failed says why
+        failed = stream.failure() if isinstance(stream, PipeStream) else None
+        if failed is None:
+            raise
+        raise PipeFailed(f"{failed} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})") from None
     finally:
-        try:
-            stream.close()
-        except Exception:
-            # A pipe closed early (the epoch ended mid-shard) exits non-zero; that is no error.
-            if finished:
-                raise
+        if stream is not None:
+            close_shard(stream, finished)
 
 
 def checked(url: str, key: str, files: Dict[str, bytes], report: Corruption) -> Optional[RawSample]:
@@ -117,6 +139,8 @@ def shard_samples(url: str, report: Corruption) -> Iterator[RawSample]:
                     yield sample
                 key, files = name, {}
             files[ext] = data
+    except ShardReadError:
+        raise
     except Exception as exc:  # truncated/garbage tar, failed pipe: keep what was read, report the rest
         first_line = (str(exc).splitlines() or [""])[0]
         report.add(url, None, f"unreadable shard ({type(exc).__name__}: {first_line})")
@@ -168,6 +192,8 @@ def count_samples(url: str) -> Tuple[int, Optional[str]]:
             name, _ = _split_name(fname)
             if name is not None and name != key:
                 key, count = name, count + 1
+    except ShardReadError:
+        raise
     except Exception as exc:  # truncated/garbage tar, failed pipe: the samples before it still count
         return count, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
     return count, None

@@ -14,7 +14,7 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 from ..errors import UsageError, check_int
 
@@ -41,6 +41,7 @@ class DataConfig:
     timeout: float = 600.0                          # --data-timeout: seconds without a batch from the workers
     slots: Optional[int] = None                     # --data-slots: the global order's slots (None: world * workers)
     image_decode: str = "scaled"                    # --image-decode: "scaled" (DCT-scaled JPEGs) or "full"
+    index: Optional[Any] = None                     # a ``slots.DataIndex`` made once for every rank (``data_index``)
 
 
 class BatchSpec(NamedTuple):
@@ -107,6 +108,11 @@ class Schedule:
     @property
     def multi_patch(self) -> bool:
         return len(self.patch_sizes) > 1
+
+    @property
+    def window_rows(self) -> int:
+        """The most rows one rank's optimizer step (``accum_freq`` batches) can have: a window's bound."""
+        return max(self.batch_sizes) * self.accum_freq
 
     def counts(self, num_batches: int) -> List[int]:
         """Batches of each sequence length in an epoch: largest-remainder apportionment of the probs."""

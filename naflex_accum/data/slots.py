@@ -8,8 +8,8 @@ split inside shards where a cut falls there) into ``C`` parts, part ``s`` the
 size of the positions ``o`` < ``N`` with ``o % C == s``; pass ``q`` of the epoch
 is positions ``[qN, (q+1)N)``, position ``qN + o`` is emission ``o // C`` of slot
 ``o % C``'s pass ``q``, and each pass of a slot reads its part once: its pieces
-in a seeded order, samples shuffled within windows of ``window`` consecutive
-reads. So every pass holds each sample exactly once, and an epoch of at most
+in a seeded order from a seeded point, samples shuffled within windows of
+``window`` consecutive reads. So every pass holds each sample exactly once, and an epoch of at most
 ``N`` positions at most once. Where passes meet, pass ``q``'s first ``tail``
 emissions of a slot hold none of the samples of its pass ``q - 1``'s last
 ``tail`` (a swap with the nearest later emission), so no batch of at most
@@ -26,6 +26,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import UsageError
+from .index import canonical
 from .schedule import derive_seed
 
 
@@ -63,6 +64,21 @@ def _cut(pieces: Sequence[Piece], sizes: Sequence[int]) -> List[List[Piece]]:
     return parts
 
 
+def _rotated(pieces: List[Piece], rng: np.random.RandomState) -> List[Piece]:
+    """``pieces`` read from a seeded point on and round to it: which samples a pass's last reads are (an epoch's
+    untrained remainder) then falls anywhere in a shard, not always at its end."""
+    total = sum(p.stop - p.start for p in pieces)
+    if total < 2:
+        return pieces
+    at = int(rng.randint(total))
+    for k, (shard, start, stop) in enumerate(pieces):
+        if at < stop - start:
+            head = [Piece(shard, start + at, stop)] + pieces[k + 1:] + pieces[:k]
+            return head + ([Piece(shard, start, start + at)] if at else [])
+        at -= stop - start
+    return pieces
+
+
 class DataIndex:
     """The shards (URLs), their sample counts and sources; sample ``i`` of shard ``k`` has id ``offsets[k] + i``."""
 
@@ -75,8 +91,9 @@ class DataIndex:
         self.total = int(self.offsets[-1])
 
     def listing(self) -> List[list]:
-        """``[url, count]`` per shard: what a checkpoint records to recognise the data set."""
-        return [[url, count] for url, count in zip(self.urls, self.counts)]
+        """``[name, count]`` per shard (``index.canonical`` names): what a checkpoint records to recognise the data
+        set."""
+        return [[canonical(url), count] for url, count in zip(self.urls, self.counts)]
 
 
 class PassOrder:
@@ -208,7 +225,7 @@ class EpochOrder:
             pieces = [part[i] for i in rng.choice(len(part), size=len(part), p=weights / weights.sum())]
         else:
             rng = _rng("pass", self.seed, self.epoch, slot, q)
-            pieces = [part[i] for i in rng.permutation(len(part))]
+            pieces = _rotated([part[i] for i in rng.permutation(len(part))], rng)
         order = PassOrder(self.index, pieces, np.empty(0, dtype=np.int64))
         order.emit = window_order(order.length, self.window, rng)
         if q > 0 and not self.resampled:

@@ -96,11 +96,12 @@ class _Prefixed:
         return data + (self.stream.read(n - len(data)) if len(data) < n else b"")
 
 
-def _via_tarfile(stream) -> Iterator[Tuple[str, bytes]]:
+def _via_tarfile(stream, want: Callable[[str], bool]) -> Iterator[Tuple[str, Optional[bytes]]]:
     with tarfile.open(fileobj=stream, mode="r|*") as tar:
         for info in tar:
             if info.isreg() and not _SKIP_META.match(info.name):
-                yield info.name, tar.extractfile(info).read()
+                # a member not wanted is still decompressed (a stream cannot seek), but not copied out
+                yield info.name, tar.extractfile(info).read() if want(info.name) else None
             tar.members = []  # stream mode would otherwise keep every header of the shard
 
 
@@ -160,17 +161,17 @@ def iter_tar(stream: BinaryIO, want: Optional[Callable[[str], bool]] = None
              ) -> Iterator[Tuple[str, Optional[bytes]]]:
     """``(name, data)`` of each regular file of the tar archive read from ``stream``.
 
-    ``want(name)`` False: that member's data is passed over unread (seeked past where the stream allows)
-    and it comes as ``(name, None)``; compressed archives are read whole all the same.
+    ``want(name)`` False: that member's data is passed over unread (seeked past where the stream allows;
+    a compressed archive is decompressed all the same) and it comes as ``(name, None)``.
     """
     reader = _Chunked(stream)
     block = reader.take(BLOCK)
     if not block:
         raise tarfile.ReadError("empty file")
-    if block.startswith(_COMPRESSED):
-        yield from _via_tarfile(_Prefixed(reader.buffer, stream))
-        return
     want = want or _everything
+    if block.startswith(_COMPRESSED):
+        yield from _via_tarfile(_Prefixed(reader.buffer, stream), want)
+        return
     long_name: Optional[str] = None
     pax: Dict[str, str] = {}
     while block and block != _ZERO_BLOCK:

@@ -177,6 +177,9 @@ def _ended(index: int, count: int, worker) -> str:
     return f"loader worker {index} of {count} (pid {worker.pid}) {how}"
 
 
+_QUALIFIED = re.compile(r"^(?:[A-Za-z_]\w*\.)+(\w+: )")  # how a traceback names a package's exception class
+
+
 def failure(exc: BaseException) -> Optional[str]:
     """One line for a loader worker's failure that ``exc`` reports, or None if it reports none."""
     text = str(exc)
@@ -186,7 +189,9 @@ def failure(exc: BaseException) -> Optional[str]:
     raised = re.search(r"Caught (\w+) in DataLoader worker process (\d+)", text)
     if raised:
         lines = [line for line in text.strip().splitlines() if line.strip()]
-        return f"loader worker {raised.group(2)} raised {lines[-1].strip() if lines else raised.group(1)}"
+        last = lines[-1].strip() if lines else raised.group(1)
+        last = _QUALIFIED.sub(r"\1", last)  # "naflex_accum.data.samples.ShardReadError: ..." as "ShardReadError: ..."
+        return f"loader worker {raised.group(2)} raised {last}"
     if "DataLoader worker" not in text:
         return None
     dead = [_ended(i, n, w) for i, n, w in _workers() if w.exitcode not in (None, 0)]

@@ -1,11 +1,16 @@
-"""Checkpoint files: atomic writes, safe reads, the newest loadable one, retention.
+"""Checkpoint files: atomic writes, safe and verified reads, the newest loadable one, retention.
 
 Invariants: a file under a checkpoint name is complete (written to a hidden
 temporary file in the same folder, flushed to disk, then ``os.replace``d; a
-failed write removes its temporary file and says which path and which OS error);
-reading never runs code from the file (``torch.load(weights_only=True)`` with
-the allow-list below); ``--resume latest`` takes the checkpoint furthest into
-the run that loads, skipping unreadable ones with a warning. Names:
+failed write removes its temporary file and says which path and which OS error)
+and carries a checksum of its payload (``integrity``), which a full read
+verifies; reading never runs code from the file (``torch.load(weights_only=True)``
+with the allow-list below) and a file that is neither a torch checkpoint nor
+safetensors is named as such; ``--resume latest`` takes the checkpoint furthest
+into the run, at the top level of ``checkpoints/`` (the current branch,
+``lineage``), that loads and verifies, skipping the others with a warning;
+retention never deletes the file just written, and a file it cannot delete is a
+warning, not the end of the run. Names:
 ``epoch_K.pt`` (end of epoch K, open_clip's), ``epoch_latest.pt`` (open_clip's
 ``--save-most-recent``, and a stop request inside an epoch), ``step_G.pt``
 (``--save-every-n-steps``, after optimizer step G).
@@ -15,12 +20,13 @@ import os
 import pickle
 import re
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import torch
 
 from ..data.workers import held as held_worker_failures
 from ..errors import UsageError
+from .integrity import changed_parts, seal, sealed
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +39,18 @@ TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")
 # state dicts, counters, the schedule settings and each rank's random state (uint8 tensors).
 ALLOWED_GLOBALS: tuple = ()
 REQUIRED_KEYS = ("epoch", "state_dict", "optimizer")
+ZIP_START = b"PK\x03\x04"  # torch.save's format since torch 1.6
+PICKLE_START = b"\x80"  # torch.save's legacy format: a pickle of protocol 2 or later
 
 
 class WriteError(UsageError):
-    """A file of the run folder could not be written (full disk, no permission, ...)."""
+    """A file of the run folder could not be written (full disk, no permission, ...); ``errno``: the OS error's
+    (``errors.storage_gone`` tells the storage that went away, exit 74, from a setting to fix, exit 2)."""
 
     def __init__(self, path, exc: OSError):
         reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
         super().__init__(f"cannot write {path}: {reason}")
+        self.errno = exc.errno
 
 
 class _Writer:
@@ -68,6 +78,8 @@ class _Writer:
 
 
 def save_checkpoint(path: Path, payload: dict) -> None:
+    """Write ``payload`` (``integrity.seal``ed here unless it already is) atomically to ``path``."""
+    payload = payload if sealed(payload) else seal(payload)
     with held_worker_failures():  # a loader worker dying meanwhile fails the run after the write, not inside it
         _save(Path(path), payload)
 
@@ -88,7 +100,7 @@ def _save(path: Path, payload: dict) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise WriteError(path, exc) from None
@@ -97,8 +109,8 @@ def _save(path: Path, payload: dict) -> None:
         raise
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable (a node crash right after a save keeps the new file)."""
+def fsync_dir(folder: Path) -> None:
+    """Make a rename itself durable (a node crash right after a save keeps the new file)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -120,12 +132,13 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
     """A checkpoint (or ``.safetensors``) file as a dict, read without running code from it.
 
     Every problem is a one-line ``UsageError`` naming ``flag`` and the file: missing, truncated or
-    not a checkpoint, or needing more than ``ALLOWED_GLOBALS`` (an arbitrary pickled object).
+    not a checkpoint, needing more than ``ALLOWED_GLOBALS`` (an arbitrary pickled object), or (a full
+    read, not ``mmap``) a checksum that does not match its content.
     """
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{flag} {path}: no such file")
-    if path.suffix == ".safetensors":
+    if _format(path, flag) == "safetensors":
         return _load_safetensors(path, flag)
     try:
         with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)):
@@ -142,7 +155,28 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
             from None
     if not isinstance(payload, dict):
         raise UsageError(f"{flag} {path}: holds a {type(payload).__name__}, not a checkpoint dict or state_dict")
+    changed = [] if mmap else changed_parts(payload)  # mapped: the tensors are not read, so not checked
+    if changed:
+        raise UsageError(f"{flag} {path}: its checksum does not match ({', '.join(changed)} changed): the file "
+                         f"changed after it was written (a disk or copy fault); use another checkpoint")
     return payload
+
+
+def _format(path: Path, flag: str) -> str:
+    """``torch`` or ``safetensors``, from the file's first bytes (and a ``.safetensors`` name); else one line."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(32)
+        size = path.stat().st_size
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot read this file ([Errno {exc.errno}] {exc.strerror})") from None
+    if head.startswith((ZIP_START, PICKLE_START)) and path.suffix != ".safetensors":
+        return "torch"
+    # safetensors: an 8-byte little-endian header length, then the JSON header
+    if path.suffix == ".safetensors" or (head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") <= size - 8):
+        return "safetensors"
+    start = f"it starts with {head.decode('utf-8', 'replace')!r}" if head else "it is empty"
+    raise UsageError(f"{flag} {path}: not a torch checkpoint or safetensors file ({start})")
 
 
 def _load_safetensors(path: Path, flag: str) -> dict:
@@ -179,7 +213,8 @@ def checkpoint_files(folder: Path) -> List[Path]:
             if p.is_file() and (p.name == MOST_RECENT or EPOCH_RE.match(p.name) or STEP_RE.match(p.name))]
 
 
-def _rank(path: Path) -> Tuple[int, int, int]:
+def file_position(path: Path) -> Tuple[int, int, int]:
+    """``position`` of a checkpoint file, reading its structure only (its tensors are mapped, not read or checked)."""
     try:  # mmap: only the pickled structure is read, not the tensors
         return position(load_checkpoint(path, mmap=True))
     except UsageError:  # a legacy (non-zip) file cannot be mapped; a damaged one fails again below
@@ -187,11 +222,11 @@ def _rank(path: Path) -> Tuple[int, int, int]:
 
 
 def newest_loadable(folder: Path) -> Tuple[Optional[Path], Optional[dict]]:
-    """The checkpoint of ``folder`` furthest into the run that loads completely, and its payload."""
+    """The checkpoint of ``folder`` (its top level) furthest into the run that loads and verifies, and its payload."""
     ranked = []
     for path in checkpoint_files(folder):
         try:
-            ranked.append((_rank(path), path))
+            ranked.append((file_position(path), path))
         except UsageError as exc:
             log.warning(f"--resume latest: skipping {exc}")
     for _, path in sorted(ranked, reverse=True):
@@ -210,10 +245,24 @@ def remove_stale_temps(folder: Path) -> List[Path]:
     return stale
 
 
-def prune_step_checkpoints(folder: Path, keep_last: int) -> List[Path]:
-    """Delete all but the ``keep_last`` newest ``step_G.pt`` files."""
-    steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_RE.match(p.name)))
-    doomed = [p for _, p in steps[:-keep_last]] if keep_last > 0 else [p for _, p in steps]
-    for p in doomed:
-        p.unlink(missing_ok=True)
-    return doomed
+def prune_step_checkpoints(folder: Path, keep_last: int, written: Path, warned: Set[Path]) -> List[Path]:
+    """Delete the ``step_G.pt`` files but ``written`` (just saved) and the ``keep_last - 1`` newest others.
+
+    A file that cannot be deleted stays, with one warning per run (``warned``); the deleted ones are returned.
+    """
+    others = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_RE.match(p.name)) and p != written)
+    doomed = [p for _, p in others[:max(0, len(others) - max(keep_last - 1, 0))]]
+    return [p for p in doomed if remove_file(p, f"--keep-last {keep_last}", warned)]
+
+
+def remove_file(path: Path, why: str, warned: Set[Path]) -> bool:
+    """Delete ``path`` (gone already: fine); on failure warn once per path in ``warned`` and return False."""
+    try:
+        path.unlink(missing_ok=True)
+        return True
+    except OSError as exc:
+        if path not in warned:
+            warned.add(path)
+            log.warning(f"cannot delete {path} ({why}): [Errno {exc.errno}] {exc.strerror}; it stays, and the run "
+                        f"goes on (delete it by hand)")
+        return False

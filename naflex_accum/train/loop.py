@@ -136,6 +136,8 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
     seg_steps = segment.num_batches // k
     num_steps = segment.first_step + seg_steps
     state.epoch_samples = segment.base + sum(spec.batch_size for spec in specs[:start]) * world.world_size
+    # the epoch's samples as this segment ends it (another world size's resume ends it with its own schedule)
+    epoch_total = segment.base + world.world_size * sum(spec.batch_size for spec in specs)
     state.epoch_tokens = segment.base_tokens + world.world_size * sum(s.batch_size * s.seq_len
                                                                       for s in specs[:start])
     loop.logger.start_epoch(state.epoch, num_steps - state.step_in_epoch, state.meters)
@@ -166,7 +168,7 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
             state.epoch_samples += step_batch_size * world.world_size
             loop.monitor.add(state.global_step, losses, report, sum(sizes), tokens, data_time)
             after_step(state, loop, segment.first_step + i // k + 1, num_steps, lr, state.epoch_samples,
-                       loader.num_samples)
+                       epoch_total)
             sizes, tokens, data_time = [], 0, 0.0
         end = time.time()
     state.step_in_epoch, state.rng_state = 0, None

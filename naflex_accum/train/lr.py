@@ -20,7 +20,10 @@ def make_scheduler(optimizer, base_lr: float, warmup: int, total_steps: int, kin
         below = math.floor(position)
         if position == below:
             return curve(int(below))
-        low, high = curve(below), curve(below + 1)
+        low = curve(below)
+        # the run's last step has no step after it on the curve (open_clip's cosine is undefined there when the
+        # warm-up takes every step): between them the rate holds
+        high = curve(below + 1) if below + 1 < total_steps else low
         lr = low + (position - below) * (high - low)
         assign_learning_rate(optimizer, lr)
         return lr

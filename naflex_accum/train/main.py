@@ -8,6 +8,8 @@ everything is built and checked before the run folder is created or changed;
 the exit status says how the run ended (``EXIT_CODES``).
 """
 import logging
+import sys
+from typing import Optional
 
 import torch
 from open_clip.tokenizer import SimpleTokenizer
@@ -16,12 +18,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..accum.modes import make_step
 from ..data import DataConfig, make_train_loader, make_val_loader
+from ..data.loader import data_index
 from ..data.workers import failure as loader_failure, stop_all as stop_workers
-from ..errors import UsageError
+from ..errors import TransientError, UsageError, storage_gone
 from ..models import create_model, enable_patch_sizes
 from ..tasks import create_task
 from . import fsdp
-from .checkpoint import load_checkpoint
+from .checkpoint import WriteError, load_checkpoint
 from .compile import compile_model
 from .distributed import init_distributed
 from .evaluate import evaluate
@@ -41,12 +44,13 @@ from .zeroshot import due, make_zero_shot
 log = logging.getLogger(__name__)
 
 EXIT_NONFINITE = 3
-EXIT_LOADER = 74  # sysexits' EX_IOERR: the input failed; the saved checkpoints are intact
+EXIT_LOADER = 74  # sysexits' EX_IOERR: the input (or the storage) failed; the saved checkpoints are intact
 # The exit statuses of ``naflex-accum train`` (docs/long-runs.md).
-EXIT_CODES = {0: "finished", 2: "bad setting or unwritable run folder (one line)", EXIT_NONFINITE:
-              "stopped: non-finite loss or weights, nothing saved after it", EXIT_LOADER:
-              "stopped: a data-loader worker died, raised or stopped answering (one line); nothing saved after "
-              "the last checkpoint; --resume latest continues", EXIT_STOPPED:
+EXIT_CODES = {0: "finished", 2: "bad setting or unwritable run folder: full, read-only, no permission (one line)",
+              EXIT_NONFINITE: "stopped: non-finite loss or weights, nothing saved after it", EXIT_LOADER:
+              "stopped: a data-loader worker died, raised or stopped answering, the loader sent no batch for "
+              "--data-timeout, or the storage of a shard or of the run folder went away (one line); nothing saved "
+              "after the last checkpoint; --resume latest continues", EXIT_STOPPED:
               "stopped on request (SIGTERM, SIGUSR1, STOP) after saving; --resume latest continues"}
 
 
@@ -111,12 +115,14 @@ def build_data(args, world, model, device):
         seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size,
         timeout=args.data_timeout, slots=args.data_slots, image_decode=args.image_decode,
         sample_shuffle_size=args.sample_shuffle_size, **data_options(args))
+    # the shards and their sizes from rank 0, for every rank: all cut their epochs from the same sizes
+    cfg.index = on_master(world, data_index, cfg) if world.distributed else None
     train = make_train_loader(cfg, tokenizer, pin_memory=device.type == "cuda")
     val = None
     if args.val_data and world.is_master:
         val = make_val_loader(args.val_data, tokenizer, seq_len=args.val_seq_len or max(args.naflex_seq_lens),
                               batch_size=args.val_batch_size, patch_size=args.naflex_patch_sizes[0], workers=0,
-                              decode=args.image_decode)
+                              decode=args.image_decode, timeout=args.data_timeout)
     return train, val
 
 
@@ -140,6 +146,25 @@ def _nonfinite_message(step: int, num_steps: int, saver: Saver) -> str:
             f"without saving; {then} (exit {EXIT_NONFINITE})")
 
 
+def transient(exc: BaseException) -> Optional[str]:
+    """One line for a failure another attempt may not meet (exit 74), or None: a loader worker's failure, a
+    shard the OS cannot read, no batch within --data-timeout, the run folder's storage gone (not full or
+    read-only: those are settings to fix, exit 2)."""
+    what = loader_failure(exc)
+    if what is None and isinstance(exc, TransientError):
+        what = str(exc)
+    if what is None and isinstance(exc, WriteError) and storage_gone(exc.errno):
+        what = f"{exc}: the run folder's storage failed or went away"
+    return what
+
+
+def _log_error(line: str) -> None:
+    try:
+        log.error(line)
+    except WriteError:  # out.log's storage is gone too: its handler has left; the console's (the first) has the line
+        pass
+
+
 def _wandb_run(args, world, paths):
     """Rank 0's wandb run when ``--report-to`` names wandb (every rank takes part in the outcome)."""
     if "wandb" not in sinks(args.report_to):
@@ -154,6 +179,9 @@ def run(args, world, device) -> dict:
     claim = claim_run(args, world)
     try:
         return _run(args, world, device, claim)
+    except UsageError:
+        claim.discard()  # a refused start leaves no folder it made, unless it trained a step or saved there
+        raise
     finally:
         claim.release()
 
@@ -169,11 +197,11 @@ def _run(args, world, device, claim) -> dict:
                        data_listing=train_data.index.listing())
     if claim.resume is not None:
         _resume(state, model, claim, args, world)
+    claim.watch(state)
     # laid out once for the run: a resume at another world size keeps the saved steps per epoch (loop.lr_position)
     state.scheduler = make_scheduler(optimizer, args.lr, args.warmup, state.lr_steps_per_epoch * args.epochs,
                                      args.lr_scheduler)
     create_run_folder(claim, args, world)  # everything above is checked: only now is the folder made or changed
-    setup_logging(paths.log_file if world.is_master else None, world.is_master)
     stop = StopRequest(paths.stop_file, world)
     stop.clear()
     saver = Saver(paths, args, world, model, last_good=claim.resume)
@@ -210,9 +238,9 @@ def _run(args, world, device, claim) -> dict:
             metrics = run_evals(state.epoch) or metrics
             saver.save_epoch(state)
     except Preempted:
-        saved = saver.save_stop(state)
-        exit_code = EXIT_STOPPED
-        log.info(f"Stopped on request ({stop.reason()}) after step {state.step_in_epoch} of epoch {state.epoch}: "
+        saved, exit_code, reason = saver.save_stop(state), EXIT_STOPPED, stop.reason()
+        stop.served()  # answered: the next start must not meet this STOP file
+        log.info(f"Stopped on request ({reason}) after step {state.step_in_epoch} of epoch {state.epoch}: "
                  f"saved {saved}; continue with --resume latest (exit {EXIT_STOPPED})")
     except (NonFiniteLoss, NonFiniteWeights) as exc:
         step = exc.global_step if isinstance(exc, NonFiniteLoss) else state.global_step
@@ -220,13 +248,14 @@ def _run(args, world, device, claim) -> dict:
         if world.is_master:
             log.error(_nonfinite_message(step, num_steps, saver))
     except Exception as exc:
-        what = loader_failure(exc)
+        what = transient(exc)
         if what is None:
             raise
         exit_code = EXIT_LOADER
-        log.error(f"Data loader failed on rank {world.rank}: {what}. The run stopped after optimizer step "
-                  f"{state.global_step} without saving; last good checkpoint: {saver.last_good or 'none'}; "
-                  f"run again with --resume latest (exit {EXIT_LOADER})")
+        which = "Writing the run folder" if isinstance(exc, WriteError) else "Data loader"
+        _log_error(f"{which} failed on rank {world.rank}: {what}. The run stopped after optimizer step "
+                   f"{state.global_step} without saving; last good checkpoint: {saver.last_good or 'none'}; "
+                   f"run again with --resume latest (exit {EXIT_LOADER})")
     finally:
         stop_workers()  # a worker that outlived a failure would hold the process at exit (workers ignore SIGTERM)
         stop.close()
@@ -245,7 +274,8 @@ def train(argv=None, prog="naflex-accum train") -> dict:
     try:
         result = run(args, world, device)
     except UsageError as exc:
-        if world.distributed and not world.is_master and not isinstance(exc, QuietUsageError):
+        if world.distributed and not world.is_master and not isinstance(exc, QuietUsageError) and \
+                transient(exc) is None:
             # the flags and the checkpoint are every rank's: rank 0 meets the same error and prints it
             raise QuietUsageError(str(exc)) from None
         raise
@@ -273,5 +303,11 @@ def main(argv=None, prog="naflex-accum train") -> int:
         result = train(argv, prog)
     except QuietUsageError:
         return 2
+    except Exception as exc:  # before the run proper (counting the shards, making its folder) or after it
+        what = transient(exc)
+        if what is None:
+            raise
+        print(f"{prog}: error: {what}; run it again (exit {EXIT_LOADER})", file=sys.stderr)
+        return EXIT_LOADER
     print_footer(result)
     return result["exit_code"]

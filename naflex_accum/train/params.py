@@ -43,7 +43,8 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     d.add_argument("--val-at-start", action="store_true", help="also evaluate before the first step")
     d.add_argument("--workers", type=int, default=2, help="data loader workers per process")
     d.add_argument("--data-timeout", type=float, default=600.0,
-                   help="seconds the loader workers may send no batch before the run stops (exit 74); 0: no limit")
+                   help="seconds the loader (its workers, or the trainer itself with --workers 0) may send no batch "
+                        "before the run stops (exit 74); 0: no limit")
     d.add_argument("--data-slots", type=int, default=None,
                    help="slots of the global sample order (a multiple of every world size the run may have; "
                         "default: world size x --workers at the start); kept by a resume inside an epoch")

@@ -7,26 +7,66 @@ checkpoint describes one consistent state; the process then exits with
 ``EXIT_STOPPED``. Requests are SIGTERM (SLURM's preemption, ``scancel`` and
 time limit; Kubernetes' eviction), SIGUSR1 (``sbatch --signal``), or a ``STOP``
 file in the run folder (what launch/slurm.sbatch writes, since torchrun does not
-forward SIGUSR1 to its workers). The data loader's workers ignore both
+forward SIGUSR1 to its workers). A request made at any moment after the launch
+stands: at the start only a ``STOP`` file older than the launch is removed,
+the launch being the earliest of this process's start and
+``$NAFLEX_ACCUM_LAUNCHED`` (epoch seconds, which the launchers set before
+they start the job's processes), so a ``STOP`` written while the trainer
+starts up stops it after its first step; a ``STOP`` served (the run saved and
+stops) is removed, so the next start never meets it. The data loader's workers ignore both
 signals, so one sent to the whole process group (as SLURM sends it) does not
 kill a worker under the trainer; the previous handlers come back when the run
 ends, except in a process that ends with the run (``exits_after_run``): there a
 signal after the run has saved is ignored, so a scheduler's SIGTERM landing
 during teardown cannot turn a finished, saved run into a killed one.
 """
+import logging
+import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped on request after saving; run it again to continue
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+LAUNCHED_ENV = "NAFLEX_ACCUM_LAUNCHED"
+# A STOP file this much older than the launch still counts: the launcher's, this node's and the file server's
+# clocks differ a little, and the seconds of $NAFLEX_ACCUM_LAUNCHED are whole. A requeued job starts far later.
+CLOCK_SKEW = 2.0
+_IMPORTED = time.time()  # an upper bound on this process's start
 _process_ends_with_run = False
+log = logging.getLogger(__name__)
 
 
 def exits_after_run() -> None:
     """Called by the entry points (console script, ``python -m``): this process ends when the run does."""
     global _process_ends_with_run
     _process_ends_with_run = True
+
+
+def process_start() -> float:
+    """When this process started (epoch seconds), from /proc; where that cannot be read, when this module was."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        started = time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
+    return min(started, _IMPORTED)  # a container's own /proc/uptime (lxcfs) would put it later than it was
+
+
+def launch_time() -> float:
+    """The earliest of this process's start and ``$NAFLEX_ACCUM_LAUNCHED`` (a bad value: warned, not used)."""
+    launched, value = process_start(), os.environ.get(LAUNCHED_ENV)
+    if value:
+        try:
+            return min(launched, float(value))
+        except ValueError:
+            log.warning(f"${LAUNCHED_ENV}={value!r} is not a time in epoch seconds; ignored (this process's start "
+                        f"counts as the launch)")
+    return launched
 
 
 class Preempted(Exception):
@@ -51,8 +91,23 @@ class StopRequest:
         self.signalled = self.signalled or signal.Signals(signum).name
 
     def clear(self) -> None:
-        """Forget a request from before this (re)start: a requeued job must not stop at once."""
-        self.signalled = None
+        """Forget a STOP file from before this (re)start's launch, so a requeued job does not stop at once;
+        one written since stands."""
+        if not self.world.is_master:
+            return
+        try:
+            written = self.stop_file.stat().st_mtime
+        except FileNotFoundError:
+            return
+        launched = launch_time()
+        if written < launched - CLOCK_SKEW:
+            self.stop_file.unlink(missing_ok=True)
+            log.info(f"Removed {self.stop_file}, a stop request from before this start")
+        else:
+            log.info(f"{self.stop_file} was written after this start was launched: stopping after the first step")
+
+    def served(self) -> None:
+        """The run saved after the request: remove the STOP file (rank 0), a request that has been answered."""
         if self.world.is_master:
             self.stop_file.unlink(missing_ok=True)
 

@@ -132,14 +132,14 @@ def _saved_segment(payload: dict, where: str, args, world, state_listing=None) -
                          f"whose batches this version cannot rebuild; resume from an epoch_K.pt checkpoint")
     _check_shards(payload.get("shards"), state_listing, where, epoch)
     segment = Segment.from_dict(payload["segment"])
+    slots = getattr(args, "data_slots", None)
+    if slots is not None and slots != segment.slots:
+        raise UsageError(f"{where} was saved inside epoch {epoch} with --data-slots {segment.slots} (now "
+                         f"{slots}): the rest of the epoch needs its order; drop --data-slots or resume "
+                         f"from an epoch_K.pt checkpoint")
     if segment.world_size != world.world_size:
         check_slots(segment.slots, world.world_size, f"{where}: saved at world size {segment.world_size} with "
                                                      f"--data-slots")
-        slots = getattr(args, "data_slots", None)
-        if slots is not None and slots != segment.slots:
-            raise UsageError(f"{where} was saved inside epoch {epoch} with --data-slots {segment.slots} (now "
-                             f"{slots}): the rest of the epoch needs its order; drop --data-slots or resume "
-                             f"from an epoch_K.pt checkpoint")
     elif len(payload["rng_states"]) != world.world_size:
         raise UsageError(f"{where}: saved by {len(payload['rng_states'])} ranks at world size "
                          f"{segment.world_size}: the checkpoint is inconsistent; resume from another one")

@@ -8,21 +8,30 @@ POSIX lock, unlike ``flock``, is not shared with the data-loader workers the
 process forks, and works over NFS); an existing folder is
 never reused without ``--resume``; rank 0 alone decides (name, checkpoint to
 resume, folder errors) and every rank acts on its decision; the folder is
-created only after every setting has been checked.
+created (or, resumed, changed: a new branch, ``lineage``) only after every
+setting has been checked; a start refused (``UsageError``) before it trained a
+step or saved a checkpoint leaves no folder it created behind, so the same
+``--name`` starts again, while a folder it resumed, or one holding a trained
+step's log, keeps everything; ``params.txt`` and each resume's
+``params-resume-*.txt`` are never overwritten; ``--resume latest`` never starts
+afresh a run whose checkpoints are all abandoned (``lineage``).
 """
 import errno
 import fcntl
+import itertools
 import logging
 import os
+import shutil
 import socket
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 from ..errors import UsageError
-from .checkpoint import MOST_RECENT, WriteError, load_checkpoint, newest_loadable, remove_stale_temps
-from .logs import write_params
+from .checkpoint import MOST_RECENT, WriteError, load_checkpoint, newest_loadable, position, remove_stale_temps
+from .lineage import abandoned_folders, start_branch
+from .logs import setup_logging, write_params
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +149,64 @@ class Claim:
     resume: Optional[Path] = None
     payload: Optional[dict] = None  # rank 0 only: the resume checkpoint, already read
     lock: Optional[RunLock] = None  # rank 0 only
+    where: Optional[Tuple[int, int, int]] = None  # rank 0, --resume PATH: its position (a branch starts there)
+    created: Optional[Path] = None  # rank 0: the topmost folder this start made (None: the folder was there)
+    linked: Optional[Path] = None  # rank 0: the resumed file, linked into checkpoints/ (lineage)
+    state: Any = None  # the run's TrainState, once built (``watch``)
+    first_step: int = 0  # its global step when the training began
 
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()
 
+    def watch(self, state) -> None:
+        """From here on a step trained makes the folder worth keeping (its log and tensorboard tell the step)."""
+        self.state, self.first_step = state, state.global_step
+
+    def discard(self) -> None:
+        """After a refused start: remove the folder this start made, unless it trained a step or saved in it."""
+        paths, created = self.paths, self.created
+        if created is None or not paths.root.is_dir():
+            return
+        trained = self.state is not None and self.state.global_step > self.first_step
+        saved = paths.checkpoints.is_dir() and any(p != self.linked for p in paths.checkpoints.iterdir())
+        if trained or saved:
+            return
+        setup_logging(None, True)  # out.log is closed before it goes (an open file cannot leave an NFS folder)
+        try:
+            for entry in paths.root.iterdir():
+                if entry == paths.lock_file:
+                    continue  # held until the rest is gone, so no other start takes the folder meanwhile
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+            self.release()
+            paths.lock_file.unlink(missing_ok=True)
+            paths.root.rmdir()
+        except OSError as exc:
+            log.warning(f"could not remove {paths.root}, made by this refused start: [Errno {exc.errno}] "
+                        f"{exc.strerror} ({exc.filename})")
+            return
+        for parent in paths.root.parents if created != paths.root else ():
+            try:
+                parent.rmdir()  # made by this start too; kept if another run has put something there since
+            except OSError:
+                break
+            if parent == created:
+                break
+        log.info(f"Removed {created}: this start made it and saved nothing in it")
+
+
+def _not_a_folder(args, root: Path) -> UsageError:
+    return UsageError(f"--logs-dir {args.logs} --name {args.name}: {root} is a file, not a folder; choose another "
+                      f"--name or --logs-dir (or move the file)")
+
 
 def _claim_on_master(args, claim: Claim) -> tuple:
     paths = claim.paths
+    if paths.root.exists() and not paths.root.is_dir():
+        raise _not_a_folder(args, paths.root)
     if args.resume is None and paths.root.exists():
         raise UsageError(f"run folder {paths.root} already exists; pass --resume latest to continue it, "
                          f"or choose another --name")
@@ -157,8 +216,14 @@ def _claim_on_master(args, claim: Claim) -> tuple:
             log.info(f"Removed {stale}, left by a save that never finished")
     if args.resume == "latest":
         claim.resume, claim.payload = newest_loadable(paths.checkpoints)
+        abandoned = abandoned_folders(paths.checkpoints)
+        if claim.resume is None and abandoned:  # the run is not new: never restart it from scratch
+            raise UsageError(f"--resume latest: {paths.checkpoints} holds no loadable checkpoint of the current "
+                             f"branch, only abandoned ones (in {', '.join(p.name for p in abandoned)}/); resume "
+                             f"one of them with --resume PATH")
     elif args.resume is not None:
         claim.resume, claim.payload = Path(args.resume), load_checkpoint(args.resume)
+        claim.where = position(claim.payload)
     return args.name, (str(claim.resume) if claim.resume else None)
 
 
@@ -177,23 +242,50 @@ def claim_run(args, world) -> Claim:
     return claim
 
 
+def _first_missing(folder: Path) -> Optional[Path]:
+    """The topmost of ``folder`` and its parents that does not exist: what ``mkdir(parents=True)`` makes."""
+    missing = None
+    for f in [folder, *folder.parents]:
+        if f.exists():
+            break
+        missing = f
+    return missing
+
+
+def _params_path(paths: RunPaths, claim: Claim) -> Path:
+    """``params.txt``, or for a resume a ``params-resume-STEM[-N].txt`` that does not exist yet."""
+    if not paths.params_file.exists():
+        return paths.params_file
+    stem = claim.resume.stem if claim.resume else "fresh"
+    for n in itertools.count(1):
+        path = paths.root / f"params-resume-{stem}{'' if n == 1 else f'-{n}'}.txt"
+        if not path.exists():
+            return path
+
+
 def _create_on_master(claim: Claim, args) -> None:
     paths = claim.paths
+    created = _first_missing(paths.root)
     try:
         paths.root.mkdir(parents=True, exist_ok=args.resume is not None)
+        claim.created = created
         paths.checkpoints.mkdir(exist_ok=True)
     except FileExistsError:
+        if paths.root.exists() and not paths.root.is_dir():
+            raise _not_a_folder(args, paths.root) from None
         raise UsageError(f"run folder {paths.root} already exists (made by another run just now); "
                          f"choose another --name") from None
     except OSError as exc:
         raise WriteError(exc.filename or paths.root, exc) from None
     if claim.lock is None:
         claim.lock = RunLock(paths.lock_file).acquire()
-    params = paths.params_file if not paths.params_file.exists() else \
-        paths.root / f"params-resume-{claim.resume.stem if claim.resume else 'fresh'}.txt"
-    write_params(params, args)
+    write_params(_params_path(paths, claim), args)
+    setup_logging(paths.log_file, True)
+    if claim.where is not None:
+        claim.linked = start_branch(paths.checkpoints, claim.resume, claim.where).linked
 
 
 def create_run_folder(claim: Claim, args, world) -> None:
-    """Rank 0 makes (or, under --resume, reuses) the folder, locks it and writes params.txt; errors reach every rank."""
+    """Rank 0 makes (or, under --resume, reuses) the folder, locks it, writes params.txt, logs to out.log from
+    here on, and starts a branch when resuming an earlier checkpoint; errors reach every rank."""
     on_master(world, _create_on_master, claim, args)

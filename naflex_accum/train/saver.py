@@ -4,7 +4,10 @@ Invariants: rank 0 writes, every rank takes part (the random states travel to
 rank 0, and a failed write stops every rank with rank 0's one-line error); no
 checkpoint is written from non-finite weights (checked on every rank, which
 hold the same weights, before each write); retention deletes a file only after
-a newer one is complete. What is written when:
+a newer one is complete, never the one just written, and a file it cannot
+delete is one warning (per file and run) while the run goes on; every payload
+carries its checksum (``integrity``), computed once however many files get it.
+What is written when:
 
 - ``step_G.pt`` after every ``--save-every-n-steps`` optimizer steps (the mid-epoch payload), the
   ``--keep-last`` newest kept;
@@ -18,7 +21,8 @@ import logging
 from pathlib import Path
 from typing import List, Optional
 
-from .checkpoint import prune_step_checkpoints, save_checkpoint
+from .checkpoint import prune_step_checkpoints, remove_file, save_checkpoint
+from .integrity import seal
 from .monitor import host_read
 from .resume import epoch_payload, gather_rng_states, gather_states, mid_epoch_payload, weights_finite
 from .rundir import on_master
@@ -34,14 +38,17 @@ class Saver:
     def __init__(self, paths, args, world, model, last_good: Optional[Path] = None):
         self.paths, self.args, self.world, self.model = paths, args, world, model
         self.last_good = last_good  # the newest checkpoint known complete and finite (for messages)
+        self.undeletable = set()  # rank 0: files retention could not delete (warned about once)
 
     def step_due(self, global_step: int) -> bool:
         every = self.args.save_every_n_steps
         return bool(every) and global_step % every == 0
 
     def save_step(self, state) -> None:
-        self._write_mid_epoch(self.paths.step_checkpoint(state.global_step), state)
-        on_master(self.world, prune_step_checkpoints, self.paths.checkpoints, self.args.keep_last)
+        path = self.paths.step_checkpoint(state.global_step)
+        self._write_mid_epoch(path, state)
+        on_master(self.world, prune_step_checkpoints, self.paths.checkpoints, self.args.keep_last, path,
+                  self.undeletable)
 
     def save_stop(self, state) -> Path:
         path = self.paths.most_recent
@@ -57,7 +64,8 @@ class Saver:
         if paths:  # one weights check and one payload, however many files get it
             self._write(paths, lambda states: epoch_payload(state, self.model, args, states), state)
         if due and args.delete_previous_checkpoint and epoch - args.save_frequency > 0:
-            on_master(self.world, _unlink, self.paths.checkpoint(epoch - args.save_frequency))
+            on_master(self.world, remove_file, self.paths.checkpoint(epoch - args.save_frequency),
+                      "--delete-previous-checkpoint", self.undeletable)
 
     def _write_mid_epoch(self, path: Path, state) -> None:
         rng_states = gather_rng_states(self.world)
@@ -73,13 +81,9 @@ class Saver:
         self.last_good = paths[-1]
 
     def _write_on_master(self, paths: List[Path], make_payload) -> None:
-        payload = make_payload()
+        payload = seal(make_payload())
         for path in paths:
             save_checkpoint(path, payload)
         most_recent = self.paths.most_recent
-        if most_recent not in paths and not self.args.save_most_recent:
-            most_recent.unlink(missing_ok=True)  # superseded by ``paths``
-
-
-def _unlink(path: Path) -> None:
-    path.unlink(missing_ok=True)
+        if most_recent not in paths and not self.args.save_most_recent:  # superseded by ``paths``
+            remove_file(most_recent, f"superseded by {paths[-1].name}", self.undeletable)
