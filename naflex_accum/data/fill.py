@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .reading import Item, PassReader
-from .samples import IMAGE_EXTS, Corruption, checked
+from .samples import Corruption, checked
 from .slots import EpochOrder
 
 # Unusable samples in a row before giving up: only a data set with (almost) nothing usable gets there.
