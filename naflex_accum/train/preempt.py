@@ -29,6 +29,10 @@ def exits_after_run() -> None:
     _process_ends_with_run = True
 
 
+def process_ends_with_run() -> bool:
+    return _process_ends_with_run
+
+
 class Preempted(Exception):
     """Raised by the loop after the step at which every rank agreed to stop."""
 
