@@ -3,11 +3,12 @@
 The real thing: torchrun (--standalone, gloo, CPU, 2 processes; each rank's output redirected by
 torchrun to files of its own) around ``naflex-accum train`` (``loader_jobs/rank_faults.py``), and two
 processes started the way srun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), where rank 0
-hosts the job's store. Faults: rank 1's data breaks (a UsageError on rank 1 alone); rank 1 frozen with
-SIGSTOP; rank 1 killed with SIGKILL; rank 1 frozen while rank 0 gets SIGTERM; rank 0 killed under srun;
-rank 0's checkpoint write slower than any collective may wait. The line must reach the user once, on
-rank 0's stderr and in out.log; no rank may print a traceback or a connection error. Every subprocess
-has a timeout; times are asserted only as generous bounds on a hang.
+serves the job's store from a process of its own. Faults: rank 1 alone raises (its data loader cannot
+start, or its images stop decoding mid-run); rank 1 frozen with SIGSTOP; rank 1 killed with SIGKILL;
+rank 1 frozen while rank 0 gets SIGTERM; rank 0 killed under srun; rank 0's checkpoint write slower
+than any collective may wait. The line must reach the user once, on rank 0's stderr (and in out.log
+once it exists); no rank may print a traceback or a connection error. Every subprocess has a timeout;
+times are asserted only as generous bounds on a hang.
 """
 import os
 import re
@@ -134,13 +135,15 @@ class Job:
                          for s in ("stdout", "stderr")) + f"\n--- launcher:\n{self.launcher()[-2500:]}"
 
 
-def heard_once(job: Job, text: str) -> str:
-    """The one line holding ``text``: once in the ranks' output (rank 0's stderr) and once in out.log."""
+def heard_once(job: Job, text: str, logged: bool = True) -> str:
+    """The one line holding ``text``: once in the ranks' output (rank 0's stderr) and once in out.log
+    (``logged``; a failure before rank 0 made the run folder has none)."""
     everything = job.outputs()
     assert everything.count(text) == 1, job.report()
     line = next(line for line in job.output(0, "stderr").splitlines() if text in line)
     assert line.startswith("naflex-accum train: error: "), line
-    assert job.out_log().count(text) == 1, job.out_log()[-2000:]
+    in_log = job.out_log().count(text)
+    assert in_log == 1 if logged else in_log <= 1, job.out_log()[-2000:]
     assert not [n for n in NOISE if n in everything], job.report()
     return line
 
@@ -150,12 +153,19 @@ def last_checkpoint_loads(line: str) -> None:
     assert torch.load(path, map_location="cpu", weights_only=True)["global_step"] >= 1
 
 
-def test_an_error_on_rank_1_alone_reaches_the_user_once_and_every_rank_exits_2(setup, tmp_path):
-    job = Job(tmp_path, setup, BREAK_RANK="1", BREAK_AFTER="150")
+@pytest.mark.parametrize("when", ["at start-up", "mid-run"])
+def test_an_error_on_rank_1_alone_reaches_the_user_once_and_every_rank_exits_2(setup, tmp_path, when):
+    if when == "at start-up":  # rank 0 is in its first collective, or making the run folder
+        job = Job(tmp_path, setup, FAIL_AT_START="1")
+        text = "rank 1: --train-data: rank 1's shards cannot be read (injected)"
+    else:
+        job = Job(tmp_path, setup, BREAK_RANK="1", BREAK_AFTER="150")
+        text = "rank 1: --train-data: 5 images in a row failed to decode"
     assert job.wait() == {0: 2, 1: 2}, job.report()
-    line = heard_once(job, "rank 1: --train-data: 5 images in a row failed to decode")
-    assert "images in a row" not in job.output(1, "stdout") + job.output(1, "stderr")
-    assert list((tmp_path / "logs/run/checkpoints").glob("step_*.pt")), line  # it trained before it broke
+    heard_once(job, text, logged=when == "mid-run")
+    assert "(injected)" not in job.output(1, "stdout") + job.output(1, "stderr")
+    if when == "mid-run":
+        assert list((tmp_path / "logs/run/checkpoints").glob("step_*.pt"))  # it trained before it broke
 
 
 def test_a_frozen_rank_ends_the_job_within_the_dist_timeout_exit_74(setup, tmp_path):
@@ -224,11 +234,19 @@ def test_rank_0_writing_a_checkpoint_longer_than_a_collective_may_wait_is_not_a_
     assert job.output(0, "stderr") == job.output(1, "stderr") == "", job.report()
     assert "ERROR" not in job.out_log() and (tmp_path / "logs/run/checkpoints/epoch_1.pt").exists(), job.report()
     deadline = time.time() + 30
-    while True:  # the store's process ended: its port is free
+    while True:  # the store's process ended: nothing serves its port
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", job.port))
+            socket.create_connection(("127.0.0.1", job.port), timeout=2).close()
+        except ConnectionRefusedError:
             break
-        except OSError:
-            assert time.time() < deadline, f"port {job.port} still served 30 s after the run"
-            time.sleep(0.2)
+        assert time.time() < deadline, f"port {job.port} still served 30 s after the run"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_dist_timeout_must_be_seconds_above_0(value):
+    from naflex_accum.errors import UsageError
+    from naflex_accum.train.params import parse_args
+
+    with pytest.raises(UsageError, match=r"--dist-timeout must be a number of seconds > 0"):
+        parse_args(["--train-data", "x.tar", "--dist-timeout", value])

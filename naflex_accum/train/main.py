@@ -194,8 +194,8 @@ def run(args, world, device) -> dict:
     setup_logging(None, world.is_master)
     claim = claim_run(args, world)
     if world.peers is not None:
-        world.peers.context = lambda: (f"the run had not started training; last checkpoint: {claim.resume or 'none'}; "
-                                       f"run it again" + (" with --resume latest" if claim.resume else ""))
+        world.peers.context = lambda: (f"nothing was trained; last checkpoint: {claim.resume or 'none'}; run it "
+                                       f"again" + (" with --resume latest" if claim.resume else ""))
     try:
         return _run(args, world, device, claim)
     finally:

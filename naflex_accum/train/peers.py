@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..errors import UsageError
 from .logs import log_file_only
+from .preempt import EXIT_STOPPED
 from .rundir import QuietUsageError
 from . import storehost
 from .channel import Channel, Failure, Pulse
@@ -106,7 +107,7 @@ class Peers:
         self.main_ending: Optional[float] = None  # when the main thread began ending (it then ends the process)
         self.announced = self.said_bye = False
         self.shares = 0
-        self.context: Callable[[], str] = lambda: "the run had not started training; run it again"
+        self.context: Callable[[], str] = lambda: "nothing was trained; run it again"
         self.flushers: List[Callable[[], None]] = []  # what to flush if the watchdog ends the process
         self.main.beat(self.rank, "0")
         self.watchdog = Watchdog(self)
@@ -195,7 +196,8 @@ class Peers:
             if self.announced:
                 return False
             self.announced = True
-        print(f"{self.prog}: error: {failure.line}", file=sys.stderr, flush=True)
+        kind = "" if failure.code == EXIT_STOPPED else "error: "  # a stop on request is no error
+        print(f"{self.prog}: {kind}{failure.line}", file=sys.stderr, flush=True)
         if self.rank == 0:
             try:
                 log_file_only(failure.line)

@@ -261,8 +261,8 @@ class Watchdog(threading.Thread):
             signal.raise_signal(signum)
             ours = False
         if ours and now - at > peers.quiet_for + 1:  # no failure came to explain it: a stop during start-up
-            self.decide(Failure(peers.rank, EXIT_STOPPED, f"rank {peers.rank} got {name} before training "
-                                f"started: nothing to save; {peers.context()} (exit {EXIT_STOPPED})"))
+            self.decide(Failure(peers.rank, EXIT_STOPPED, f"rank {peers.rank} got {name} during start-up; "
+                                f"{peers.context()} (exit {EXIT_STOPPED})"))
         elif not ours:  # the loop's stop request: it is honoured there; keep watching the peers meanwhile
             self.signals.caught = [(signum, at, False)]
 

@@ -7,8 +7,9 @@ steps done, rewritten after each), so that a test can stop, kill or signal a ran
 BREAK_RANK: that rank's images stop decoding after its loader decoded BREAK_AFTER of them, and its
 loader gives up after 5 failures in a row (the UsageError a corrupt data set gives; the other rank's
 data is sound). FAIL_AT_START: that rank raises a UsageError while it builds its data loader (the
-other rank is then in its first collective). SLOW: rank 0's first checkpoint write takes SLOW seconds
-longer; SLOW_EVAL: so does each of its evaluations.
+other rank is then in its first collective); SLOW_START: every rank takes that many seconds longer to
+build it. SLOW: rank 0's first checkpoint write takes SLOW seconds longer; SLOW_EVAL: so does each of its
+evaluations.
 """
 import os
 import sys
@@ -36,10 +37,17 @@ if rank == int(os.environ.get("BREAK_RANK", -1)):
         return real_decode(*args, **kwargs)
     pipeline.decode_for_seq = decode_for_seq
 
-if rank == int(os.environ.get("FAIL_AT_START", -1)):
-    def build_data(*args, **kwargs):
+real_build_data = main.build_data
+
+
+def build_data(*args, **kwargs):
+    time.sleep(float(os.environ.get("SLOW_START", 0)))
+    if rank == int(os.environ.get("FAIL_AT_START", -1)):
         raise UsageError(f"--train-data: rank {rank}'s shards cannot be read (injected)")
-    main.build_data = build_data
+    return real_build_data(*args, **kwargs)
+
+
+main.build_data = build_data
 
 slow_eval = float(os.environ.get("SLOW_EVAL", 0))
 if slow_eval and rank == 0:
