@@ -26,7 +26,8 @@ from longrun_common import SUBPROCESS_ENV, dropout_model, make_shards, run_argv
 
 JOB = Path(__file__).resolve().parent / "loader_jobs" / "rank_faults.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-NOISE = ("Traceback", "Connection reset", "Connection closed", "/gloo/", "Exception raised from", "DistNetworkError")
+NOISE = ("Traceback", "Connection reset", "Connection closed", "/gloo/", "Exception raised from", "DistNetworkError",
+         "watchdog met", "Exception ignored")
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,10 @@ class Channel:
     def beat(self, rank: int, value: str) -> None:
         self.store.set(f"hb/{rank}", value)
 
+    def beat_over(self, rank: int, last: str, value: str) -> str:
+        """Rank ``rank``'s heartbeat ``value`` if it still is ``last``; the value it holds now either way."""
+        return bytes(self.store.compare_set(f"hb/{rank}", last, value)).decode()
+
     def beats(self, ranks: Iterable[int]) -> Dict[int, str]:
         """The heartbeats of ``ranks`` that have started (a rank still starting has none yet)."""
         ranks = list(ranks)

@@ -270,7 +270,7 @@ class Peers:
             self.bye(self.main, code)
         except dist.DistError:  # the store is gone: nobody is left to tell
             pass
-        self.watchdog.signals.restore()
+        self.watchdog.signals.restore(unread=not self.watchdog.is_alive())
         _FORKING_RANK[0] = False
 
 

@@ -110,13 +110,23 @@ class Signals:
             if signum in [int(s) for s in SIGNALS]:
                 self.caught.append((signum, time.monotonic(), signal.getsignal(signum) is self._handler))
 
+    def wake(self) -> None:
+        """End a wait now (a zero byte: no signal's number)."""
+        if self.read_fd is not None:
+            try:
+                os.write(self.write_fd, b"\0")
+            except OSError:  # full: the wait ends anyway
+                pass
+
     def taken_over(self, signum: int) -> bool:
         """Whether a handler of the run's own (``StopRequest``) now takes ``signum``."""
         current = signal.getsignal(signum)
         return current is not self._handler and callable(current)
 
-    def restore(self) -> None:
-        """The previous handlers, or, in a process that ends with the run, none (a late signal is ignored)."""
+    def restore(self, unread: bool) -> None:
+        """The previous handlers, or, in a process that ends with the run, none (a late signal is ignored).
+        ``unread``: nothing reads the wakeup pipe any more, so it may close (else a reader could meet the
+        descriptor's number reused by another file)."""
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, handler in self.previous.items():
@@ -124,9 +134,10 @@ class Signals:
         self.previous = {}
         if self.read_fd is not None:
             signal.set_wakeup_fd(-1)
-            os.close(self.read_fd)
-            os.close(self.write_fd)
-            self.read_fd = None
+            if unread:
+                os.close(self.read_fd)
+                os.close(self.write_fd)
+                self.read_fd = None
 
 
 class StoreLink:
@@ -163,7 +174,8 @@ class Watchdog(threading.Thread):
         self.peers, self.timeout = peers, peers.timeout
         self.interval = max(0.1, min(1.0, peers.timeout / 10))
         self.channel = None  # its own store client, made on this thread
-        self.call, self.pulse, self.count = Bounded(), Pulse(), 0
+        self.call, self.pulse, self.count, self.beat = Bounded(), Pulse(), 0, "0"  # beat: the value last written
+        self.handover: Optional[float] = None  # when the run's StopRequest was first seen holding a caught signal
         self.signals = Signals()
         self.stuck_since: Optional[float] = None
         self.closed = threading.Event()
@@ -171,6 +183,7 @@ class Watchdog(threading.Thread):
 
     def stop(self) -> None:
         self.closed.set()
+        self.signals.wake()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=2 * self.interval + 1)
 
@@ -178,16 +191,18 @@ class Watchdog(threading.Thread):
         last = time.monotonic()
         warned = False
         while not self.closed.is_set():
-            self.signals.wait(self.interval)
-            now = time.monotonic()
-            if now - last > 3 * self.interval + 2:
-                self.pulse.reset(now)  # this process was stopped itself
-                self.stuck_since = None
-            last = now
             try:
+                self.signals.wait(self.interval)
+                if self.closed.is_set():
+                    break
+                now = time.monotonic()
+                if now - last > 3 * self.interval + 2:
+                    self.pulse.reset(now)  # this process was stopped itself
+                    self.stuck_since = None
+                last = now
                 self.tick(now)
             except Exception as exc:  # the watchdog must outlive its own surprises; say so once
-                if not warned:
+                if not warned and not self.closed.is_set():
                     warned = True
                     print(f"naflex-accum: the rank {self.peers.rank} watchdog met {type(exc).__name__}: {exc}",
                           file=sys.stderr, flush=True)
@@ -236,9 +251,10 @@ class Watchdog(threading.Thread):
     def _io(self, beat_only: bool = False):
         if self.channel is None:
             self.channel = self._open_channel()
-        if not self.peers.said_bye:
+        if not self.peers.said_bye:  # never over a goodbye the main thread wrote meanwhile (compare-and-set)
             self.count += 1
-            self.channel.beat(self.peers.rank, str(self.count))
+            now = self.channel.beat_over(self.peers.rank, self.beat, str(self.count))
+            self.beat = now if not now.startswith(("bye", GONE)) else self.beat
         if beat_only:
             return None, {}
         everyone = self.peers.rank == 0 or bool(self.signals.caught)
@@ -257,9 +273,11 @@ class Watchdog(threading.Thread):
                 f"{ranks_text(quiet)} has not answered for {peers.quiet_for:g} s (killed or frozen) and rank "
                 f"{peers.rank} got {name}: nothing can be saved without every rank; {peers.context()} "
                 f"(exit {EXIT_LOADER})"), alive=False))
-        if ours and self.signals.taken_over(signum):  # the run's StopRequest exists now: the request is its
-            signal.raise_signal(signum)
-            ours = False
+        if ours and self.signals.taken_over(signum):  # the run's StopRequest exists now: the request is its,
+            if self.handover is not None:  # from the tick after it was first seen: its clear() has run
+                signal.raise_signal(signum)
+                ours = False
+            self.handover = self.handover or now
         if ours and now - at > peers.quiet_for + 1:  # no failure came to explain it: a stop during start-up
             self.decide(Failure(peers.rank, EXIT_STOPPED, f"rank {peers.rank} got {name} during start-up; "
                                 f"{peers.context()} (exit {EXIT_STOPPED})"))
