@@ -264,7 +264,7 @@ def _run(args, world, device, claim) -> dict:
         if world.is_master:
             log.error(line)
         if world.distributed:  # every rank ends with it; rank 0 prints another rank's (peers)
-            raise RankFailure(line, EXIT_LOADER, logged=world.is_master) from None
+            raise RankFailure(line, EXIT_LOADER) from None
     finally:
         stop_workers()  # a worker that outlived a failure would hold the process at exit (workers ignore SIGTERM)
         stop.close()

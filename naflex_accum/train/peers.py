@@ -45,9 +45,9 @@ COMM_MARKERS = ("/gloo/", "Connection reset by peer", "Connection closed by peer
 class RankFailure(Exception):
     """This rank failed in a way the run handles (one line, an exit class), e.g. its data loader."""
 
-    def __init__(self, line: str, code: int, logged: bool = False):
+    def __init__(self, line: str, code: int):
         super().__init__(line)
-        self.line, self.code, self.logged = line, code, logged  # logged: already in this rank's log
+        self.line, self.code = line, code
 
 
 class RankEnded(Exception):

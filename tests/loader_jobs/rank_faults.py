@@ -1,15 +1,16 @@
 """``naflex-accum train ARGS`` with one rank's faults made to order, for the tests of ranks that fail.
 
-    RECORD=FOLDER [BREAK_RANK=R BREAK_AFTER=N] [SLOW=SECONDS] python rank_faults.py ARGS...   (torchrun)
+    RECORD=FOLDER [BREAK_RANK=R BREAK_AFTER=N] [FAIL_AT_START=R] [SLOW=SECONDS] python rank_faults.py ARGS...
 
-Writes FOLDER/rank<R>.pid (this process's pid) at the start and FOLDER/rank<R>.steps (the optimizer
-steps done, rewritten after each), so that a test can stop, kill or signal a rank once it trains.
-BREAK_RANK: that rank's images stop decoding after its loader decoded BREAK_AFTER of them, and its
-loader gives up after 5 failures in a row (the UsageError a corrupt data set gives; the other rank's
-data is sound). FAIL_AT_START: that rank raises a UsageError while it builds its data loader (the
-other rank is then in its first collective); SLOW_START: every rank takes that many seconds longer to
-build it. SLOW: rank 0's first checkpoint write takes SLOW seconds longer; SLOW_EVAL: so does each of its
-evaluations.
+Run under torchrun, or as srun starts the ranks. Writes FOLDER/rank<R>.pid (this process's pid) at the
+start and FOLDER/rank<R>.steps (the optimizer steps done, rewritten after each), so that a test can
+stop, kill or signal a rank once it trains. BREAK_RANK: that rank's images stop decoding after its
+loader decoded BREAK_AFTER of them, and its loader gives up after 5 failures in a row (the UsageError a
+corrupt data set gives; the other rank's data is sound). FAIL_AT_START: rank R raises a UsageError
+while it builds its data loader (the other rank is then in its first collective, or ahead); ``all``:
+every rank raises the same one; ``bug:R``: rank R raises a TypeError. SLOW_START: every rank takes that
+many seconds longer to build its loader. SLOW: rank 0's first checkpoint write takes SLOW seconds longer;
+SLOW_EVAL: so does each of its evaluations.
 """
 import os
 import sys
@@ -42,8 +43,13 @@ real_build_data = main.build_data
 
 def build_data(*args, **kwargs):
     time.sleep(float(os.environ.get("SLOW_START", 0)))
-    if rank == int(os.environ.get("FAIL_AT_START", -1)):
+    failing = os.environ.get("FAIL_AT_START", "")
+    if failing == "all":
+        raise UsageError("--train-data: the shards cannot be read (injected)")
+    if failing == str(rank):
         raise UsageError(f"--train-data: rank {rank}'s shards cannot be read (injected)")
+    if failing == f"bug:{rank}":
+        raise TypeError("an injected bug")
     return real_build_data(*args, **kwargs)
 
 
