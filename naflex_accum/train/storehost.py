@@ -33,17 +33,21 @@ def start(address: tuple, world_size: int, timeout: timedelta, prefix: str) -> i
     ready_r, ready_w = os.pipe()
     life_r, life_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the store's process
-        os.close(ready_r)
-        os.close(life_w)
-        code = 0
+    if pid == 0:  # the store's process: whatever happens, none of the trainer's code runs here
+        code = 1
         try:
+            os.close(ready_r)
+            os.close(life_w)
             _serve(address, world_size, timeout, prefix, ready_w, life_r)
-        except BaseException as exc:  # one line for rank 0 to raise; nothing of the trainer runs here
+            code = 0
+        except BaseException as exc:  # one line for rank 0 to raise, while it still waits for one
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            os.write(ready_w, f"{why}\n".encode(errors="replace"))
-            code = 1
-        os._exit(code)
+            try:
+                os.write(ready_w, f"{why}\n".encode(errors="replace"))
+            except OSError:  # it no longer waits: it was told "ok" before
+                pass
+        finally:
+            os._exit(code)
     os.close(ready_w)
     os.close(life_r)
     reply = b""
