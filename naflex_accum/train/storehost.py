@@ -81,6 +81,7 @@ def _serve(address: tuple, world_size: int, timeout: timedelta, prefix: str, rea
         channel.compare_set("hb/0", last.decode(), GONE)
     keys = [f"hb/{rank}" for rank in range(world_size)]
     while time.monotonic() < deadline:
-        if channel.check(keys) and all(bytes(v).startswith(b"bye") for v in channel.multi_get(keys)):
+        if channel.check(keys) and all(bytes(v).startswith(b"bye") or bytes(v) == GONE.encode()
+                                       for v in channel.multi_get(keys)):
             return
         time.sleep(0.2)
