@@ -57,7 +57,7 @@ def child(model_name: str, wrap: str, out: str) -> None:
     row = {"rank": world.rank, "params": _bytes(params), "grads": _bytes(p.grad for p in params),
            "optimizer": _bytes(state)}
     Path(f"{out}-{world.rank}.json").write_text(json.dumps(row))
-    torch.distributed.destroy_process_group()
+    world.close()  # the side channel's goodbye, then the process group
 
 
 def run(model_name: str, nproc: int, wrap: str, folder: str):

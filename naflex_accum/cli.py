@@ -6,6 +6,7 @@ and no traceback; subcommand modules are imported only when chosen, so
 """
 import argparse
 import importlib
+import os
 import sys
 from typing import List, Optional
 
@@ -50,12 +51,37 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
 
 
+EXIT_FILE_ENV = "NAFLEX_ACCUM_EXIT_FILE"
+
+
 def entry(argv: Optional[List[str]] = None) -> int:
-    """``main`` for a process that ends with the command (the console script, ``python -m``)."""
+    """``main`` for a process that ends with the command (the console script, ``python -m``).
+
+    With ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there: torchrun exits 1 whatever
+    status its workers had, and a cluster script that requeues on 74 reads the trainer's own from the file.
+    """
     from .train.preempt import exits_after_run
 
     exits_after_run()  # a scheduler's SIGTERM after a run has saved must not kill it during teardown
-    return main(argv)
+    code = 1  # what an exception leaving here means
+    try:
+        code = main(argv)
+        return code
+    finally:
+        _record_exit(code)
+
+
+def _record_exit(code: int) -> None:
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}"
+    try:  # every rank of a job writes the same class (train.peers); the last replace stands
+        with open(tmp, "w") as f:
+            f.write(f"{code}\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"naflex-accum: cannot write the exit status to ${EXIT_FILE_ENV}={path} ({exc})", file=sys.stderr)
 
 
 def _version() -> str:

@@ -225,3 +225,16 @@ def test_the_job_tells_the_trainer_when_it_was_launched(tmp_path):
     assert proc.returncode == 0, out
     launched = int((tmp_path / "launched").read_text())
     assert before - 1 <= launched <= int(time.time()) + 1
+
+
+def test_a_trainer_exit_74_under_torchrun_requeues(tmp_path):
+    """torchrun exits 1 whatever its workers' statuses: the job reads the trainer's own (74, a shard source that
+    would not count) from the file the trainer writes, and requeues."""
+    env = {**fake_slurm(tmp_path, 'shift 2\nexec "$@"'), "NGPU": "1", "SLURM_NNODES": "1",
+           "RDZV_PORT": str(_free_port()), "TMPDIR": str(tmp_path)}
+    proc = start_job(env, "--train-data", "pipe:false", "--device", "cpu", "--workers", "0", cwd=tmp_path)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 74, out[-3000:]
+    assert "cannot count the samples of 'pipe:false'" in out
+    assert "requeue 4242" in calls(tmp_path) and "a data-loader worker failed (exit 74)" in out
+    assert not (tmp_path / "naflex-accum-exit-4242").exists()

@@ -3,16 +3,23 @@
 Invariants: every rank agrees on (rank, world_size) before any model or data is
 made; a half-set environment (a RANK without a WORLD_SIZE, say) is an error,
 not a silent single-process run; collectives here are no-ops in one process.
+Several processes open the job's store where env:// would and keep the side
+channel of ``peers`` in it (every rank heard, rank 0's solo phases waited for
+on the store); no collective waits longer than --dist-timeout plus a margin.
 """
 import os
 import re
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import UsageError
 from ..ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS
+from . import storehost
+from .peers import COLLECTIVE_MARGIN, DEFAULT_TIMEOUT, Peers, channel_prefix
 
 # The first variable found wins, as open_clip's world_info_from_env; not that function itself, because it
 # turns a half-set environment into a silent single-process run, which is refused here.
@@ -24,10 +31,27 @@ class World:
     local_rank: int = 0
     world_size: int = 1
     distributed: bool = False
+    peers: Optional[Peers] = None  # the side channel, in a run of several processes
 
     @property
     def is_master(self) -> bool:
         return self.rank == 0
+
+    def master_result(self, obj):
+        """Rank 0's ``obj`` on every rank, after rank 0 worked alone however long (waited for on the store
+        while rank 0 is alive: no collective timeout applies)."""
+        if not self.distributed:
+            return obj
+        if self.peers is None:
+            return self.broadcast_object(obj)
+        return self.peers.share(obj)
+
+    def close(self, code=0) -> None:
+        """This rank's end: the side channel's goodbye, then the process group."""
+        if self.peers is not None:
+            self.peers.close(code)
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
 
     def gather_object(self, obj) -> list:
         """Every rank's ``obj``, in rank order (on every rank)."""
@@ -148,21 +172,59 @@ def resolve_device(device_arg, world) -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_distributed(device_arg=None, env=None) -> tuple:
-    """``(World, torch.device)``; initialises the process group when there is more than one rank."""
+def _master_address(env) -> tuple:
+    """MASTER_ADDR and MASTER_PORT, from SLURM's node list and job id when they are unset."""
+    if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
+        os.environ["MASTER_ADDR"] = slurm_master_addr(env["SLURM_JOB_NODELIST"])
+    if "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
+        os.environ["MASTER_PORT"] = str(slurm_master_port(env["SLURM_JOB_ID"]))
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise UsageError(f"{var} is not set: launch with torchrun, or under SLURM with SLURM_JOB_NODELIST")
+    port = os.environ["MASTER_PORT"]
+    if not port.isdigit() or not 0 <= int(port) < 2 ** 16:
+        raise UsageError(f"MASTER_PORT={port!r} is not a port number (0 to 65535)")
+    return os.environ["MASTER_ADDR"], int(port)
+
+
+def _open_store(world: World, address: tuple, timeout: timedelta):
+    """The job's store, where env:// has it (torch.distributed.rendezvous): under torchrun's agent
+    (TORCHELASTIC_USE_AGENT_STORE=True) every rank is a client of the agent's store at MASTER_ADDR:MASTER_PORT;
+    otherwise rank 0 serves it there, from a process of its own (``storehost``: it outlives rank 0, as the
+    agent's does) of which every rank, rank 0 too, is a client."""
+    host, port = address
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if world.rank == 0 and not agent:
+        storehost.start(address, world.world_size, timeout, channel_prefix())
+    try:
+        return dist.TCPStore(host, port, world.world_size, is_master=False, timeout=timeout)
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError, DistStoreError: one line, not torch's report
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"rank {world.rank}: cannot reach the job's store at {host}:{port} (MASTER_ADDR, "
+                         f"MASTER_PORT): {why}") from None
+
+
+def connect(env=None, timeout: float = DEFAULT_TIMEOUT, prog: str = "naflex-accum train") -> World:
+    """This process's ``World``; in a run of several processes the job's store is open and this rank is heard
+    (``World.peers``) from here on, before any other step of the set-up can fail."""
     env = os.environ if env is None else env
     world = world_from_env(env)
+    if world.distributed:
+        address = _master_address(env)
+        store = _open_store(world, address, timedelta(seconds=timeout + COLLECTIVE_MARGIN))
+        world.peers = Peers(world, store, address, timeout, prog)
+    return world
+
+
+def init_distributed(device_arg=None, env=None, world: Optional[World] = None) -> tuple:
+    """``(World, torch.device)``; initialises the process group (on ``world``'s store) when there is more than
+    one rank."""
+    world = connect(env) if world is None else world
     device = resolve_device(device_arg, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world.distributed and not dist.is_initialized():
-        if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
-            os.environ["MASTER_ADDR"] = slurm_master_addr(env["SLURM_JOB_NODELIST"])
-        if "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
-            os.environ["MASTER_PORT"] = str(slurm_master_port(env["SLURM_JOB_ID"]))
-        for var in ("MASTER_ADDR", "MASTER_PORT"):
-            if var not in os.environ:
-                raise UsageError(f"{var} is not set: launch with torchrun, or under SLURM with SLURM_JOB_NODELIST")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://",
-                                rank=world.rank, world_size=world.world_size)
+        peers = world.peers
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=peers.pg_store(),
+                                rank=world.rank, world_size=world.world_size, timeout=peers.collective_timeout)
     return world, device

@@ -163,6 +163,11 @@ class RunLogger:
         self.log.info(f"Eval Epoch: {epoch} " + "\t".join(f"{k}: {v:.4f}" for k, v in metrics.items()))
         self._scalars("val", metrics, global_step)
 
+    def flush(self):
+        """Tensorboard's pending events to disk (the watchdog's last act before it ends the process)."""
+        if self.writer is not None:
+            self.writer.flush()
+
     def close(self):
         self.end_epoch(complete=False)  # an epoch still open here was left by an error
         if self.wandb is not None:
@@ -184,3 +189,13 @@ def write_params(path, args, log: Optional[logging.Logger] = None) -> None:
                 f.write(f"{name}: {getattr(args, name)}\n")
     except OSError as exc:
         raise WriteError(path, exc) from None
+
+
+def log_file_only(line: str) -> None:
+    """``line`` as an ERROR record in out.log alone: rank 0's report of another rank's failure, which goes to
+    stderr as well (and not again to the console's stdout)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    record = logger.makeRecord(LOGGER_NAME, logging.ERROR, __file__, 0, line, None, None)
+    for handler in list(logger.handlers):
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)

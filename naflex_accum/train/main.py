@@ -9,7 +9,6 @@ the exit status says how the run ended (``EXIT_CODES``).
 """
 import logging
 import sys
-from typing import Optional
 
 import torch
 from open_clip.tokenizer import SimpleTokenizer
@@ -19,21 +18,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..accum.modes import make_step
 from ..data import DataConfig, make_train_loader, make_val_loader
 from ..data.loader import data_index
-from ..data.workers import failure as loader_failure, stop_all as stop_workers
-from ..errors import TransientError, UsageError, storage_gone
+from ..data.workers import stop_all as stop_workers
+from ..errors import UsageError
 from ..models import create_model, enable_patch_sizes
 from ..tasks import create_task
 from . import fsdp
 from .checkpoint import WriteError, load_checkpoint
 from .compile import compile_model
-from .distributed import init_distributed
+from .distributed import connect, init_distributed, world_from_env
 from .evaluate import evaluate
+from .exits import EXIT_CODES, EXIT_LOADER, EXIT_NONFINITE, transient
 from .finetune import data_options, prepare_model
 from .logs import RunLogger, setup_logging
 from .loop import Loop, TrainState, train_one_epoch
 from .lr import make_scheduler
 from .monitor import NonFiniteLoss, StepMonitor
 from .params import parse_args
+from .peers import RankEnded, RankFailure
 from .preempt import EXIT_STOPPED, Preempted, StopRequest
 from .report import open_wandb, sinks
 from .resume import restore
@@ -43,15 +44,7 @@ from .zeroshot import due, make_zero_shot
 
 log = logging.getLogger(__name__)
 
-EXIT_NONFINITE = 3
-EXIT_LOADER = 74  # sysexits' EX_IOERR: the input (or the storage) failed; the saved checkpoints are intact
-# The exit statuses of ``naflex-accum train`` (docs/long-runs.md).
-EXIT_CODES = {0: "finished", 2: "bad setting or unwritable run folder: full, read-only, no permission (one line)",
-              EXIT_NONFINITE: "stopped: non-finite loss or weights, nothing saved after it", EXIT_LOADER:
-              "stopped: a data-loader worker died, raised or stopped answering, the loader sent no batch for "
-              "--data-timeout, or the storage of a shard or of the run folder went away (one line); nothing saved "
-              "after the last checkpoint; --resume latest continues", EXIT_STOPPED:
-              "stopped on request (SIGTERM, SIGUSR1, STOP) after saving; --resume latest continues"}
+__all__ = ["EXIT_CODES", "main", "train"]
 
 
 def build_optimizer(model, args):
@@ -146,16 +139,42 @@ def _nonfinite_message(step: int, num_steps: int, saver: Saver) -> str:
             f"without saving; {then} (exit {EXIT_NONFINITE})")
 
 
-def transient(exc: BaseException) -> Optional[str]:
-    """One line for a failure another attempt may not meet (exit 74), or None: a loader worker's failure, a
-    shard the OS cannot read, no batch within --data-timeout, the run folder's storage gone (not full or
-    read-only: those are settings to fix, exit 2)."""
-    what = loader_failure(exc)
-    if what is None and isinstance(exc, TransientError):
-        what = str(exc)
-    if what is None and isinstance(exc, WriteError) and storage_gone(exc.errno):
-        what = f"{exc}: the run folder's storage failed or went away"
-    return what
+def _master_only(world, fn, *args):
+    """``fn(*args)`` on rank 0, kept there (None elsewhere); the others wait on the store meanwhile and share its
+    ``UsageError``."""
+    kept = {}
+    on_master(world, lambda: kept.update(value=fn(*args)))
+    return kept.get("value")
+
+
+def _wandb_run(args, world, paths):
+    """Rank 0's wandb run when ``--report-to`` names wandb (every rank takes part in the outcome)."""
+    if "wandb" not in sinks(args.report_to):
+        return None
+    return _master_only(world, open_wandb, args, paths.root)
+
+
+def _evals(args, world, device, task, model, val_data, zero_shot, autocast, run_logger, state):
+    """``run_evals(epoch)``: rank 0 evaluates alone while the others wait on the store (not in a collective,
+    which would time out on a long evaluation); every rank gets the metrics."""
+    def on_rank0(evaluating, epoch: int) -> dict:
+        metrics = {}
+        if val_data is not None and due(epoch, args.val_frequency, args.epochs):
+            metrics.update(evaluate(evaluating, val_data, device, autocast))
+        if zero_shot is not None:
+            metrics.update(zero_shot(evaluating, epoch, autocast))
+        return metrics
+
+    def run_evals(epoch: int) -> dict:
+        wanted = (val_data is not None and due(epoch, args.val_frequency, args.epochs)) or \
+            (zero_shot is not None and zero_shot.due(epoch))  # known on rank 0, which evaluates
+        if fsdp.sharded(model):  # every rank joins the gather of the whole model, only when an eval is due
+            wanted = world.broadcast_object(wanted)
+        evaluating = eval_task(task, model, args, world, device) if wanted else None
+        metrics = on_master(world, on_rank0, evaluating, epoch)
+        run_logger.eval(epoch, metrics, state.global_step)
+        return metrics
+    return run_evals
 
 
 def _log_error(line: str) -> None:
@@ -165,18 +184,18 @@ def _log_error(line: str) -> None:
         pass
 
 
-def _wandb_run(args, world, paths):
-    """Rank 0's wandb run when ``--report-to`` names wandb (every rank takes part in the outcome)."""
-    if "wandb" not in sinks(args.report_to):
-        return None
-    opened = {}
-    on_master(world, lambda: opened.update(run=open_wandb(args, paths.root)))
-    return opened.get("run")
+def _after_failure(state, saver) -> str:
+    """What a failure line says about the run (``peers``: every rank's line names the same checkpoint)."""
+    return (f"the run stopped after optimizer step {state.global_step} without saving; last good checkpoint: "
+            f"{saver.last_good or 'none'}; run again with --resume latest")
 
 
 def run(args, world, device) -> dict:
     setup_logging(None, world.is_master)
     claim = claim_run(args, world)
+    if world.peers is not None:
+        world.peers.context = lambda: (f"nothing was trained; last checkpoint: {claim.resume or 'none'}; run it "
+                                       f"again" + (" with --resume latest" if claim.resume else ""))
     try:
         return _run(args, world, device, claim)
     except UsageError:
@@ -205,30 +224,20 @@ def _run(args, world, device, claim) -> dict:
     stop = StopRequest(paths.stop_file, world)
     stop.clear()
     saver = Saver(paths, args, world, model, last_good=claim.resume)
+    if world.peers is not None:
+        world.peers.context = lambda: _after_failure(state, saver)
     run_logger = RunLogger(log, world.is_master, paths.tensorboard if "tensorboard" in sinks(args.report_to)
                            else None, _wandb_run(args, world, paths))
     autocast, metrics, exit_code = get_autocast(args.precision, device.type), {}, 0
+    if world.peers is not None:
+        world.peers.flushers.append(run_logger.flush)
     loop = Loop(args, world, device, autocast, select_step(args), run_logger, stop, StepMonitor(device, world),
                 saver)
     log.info(f"Run folder {paths.root}: {num_steps} steps/epoch, {train_data.num_samples} samples/epoch, "
              f"world size {world.world_size}" + (f", resumed from {claim.resume}" if claim.resume else ""))
     log.info(train_data.describe())
-    zero_shot = make_zero_shot(args, model, world, device)
-
-    def run_evals(epoch: int) -> dict:
-        metrics = {}
-        wanted = (val_data is not None and due(epoch, args.val_frequency, args.epochs)) or \
-            (zero_shot is not None and zero_shot.due(epoch))  # known on rank 0, which evaluates
-        if fsdp.sharded(model):  # every rank joins the gather of the whole model, only when an eval is due
-            wanted = world.broadcast_object(wanted)
-        evaluating = eval_task(task, model, args, world, device) if wanted else None
-        if val_data is not None and due(epoch, args.val_frequency, args.epochs):
-            metrics.update(evaluate(evaluating, val_data, device, autocast))
-        if zero_shot is not None:
-            metrics.update(zero_shot(evaluating, epoch, autocast))
-        run_logger.eval(epoch, metrics, state.global_step)
-        return metrics
-
+    zero_shot = _master_only(world, make_zero_shot, args, model, world, device)
+    run_evals = _evals(args, world, device, task, model, val_data, zero_shot, autocast, run_logger, state)
     try:
         if args.val_at_start and state.epoch == 0 and state.global_step == 0:
             metrics = run_evals(0)
@@ -253,9 +262,13 @@ def _run(args, world, device, claim) -> dict:
             raise
         exit_code = EXIT_LOADER
         which = "Writing the run folder" if isinstance(exc, WriteError) else "Data loader"
-        _log_error(f"{which} failed on rank {world.rank}: {what}. The run stopped after optimizer step "
-                   f"{state.global_step} without saving; last good checkpoint: {saver.last_good or 'none'}; "
-                   f"run again with --resume latest (exit {EXIT_LOADER})")
+        line = (f"{which} failed on rank {world.rank}: {what}. The run stopped after optimizer step "
+                f"{state.global_step} without saving; last good checkpoint: {saver.last_good or 'none'}; "
+                f"run again with --resume latest (exit {EXIT_LOADER})")
+        if world.is_master:
+            _log_error(line)
+        if world.distributed:  # every rank ends with it; rank 0 prints another rank's (peers)
+            raise RankFailure(line, EXIT_LOADER) from None
     finally:
         stop_workers()  # a worker that outlived a failure would hold the process at exit (workers ignore SIGTERM)
         stop.close()
@@ -267,21 +280,37 @@ def _run(args, world, device, claim) -> dict:
             "evals": run_logger.evals, "val_samples": getattr(val_data, "num_samples", 0)}
 
 
-def train(argv=None, prog="naflex-accum train") -> dict:
-    """Parse, set up the process group, run, tear down; returns run()'s summary (rank 0's is complete)."""
-    args = parse_args(argv, prog)
-    world, device = init_distributed(args.device)
+def _parse(argv, prog):
     try:
-        result = run(args, world, device)
+        return parse_args(argv, prog)
     except UsageError as exc:
-        if world.distributed and not world.is_master and not isinstance(exc, QuietUsageError) and \
-                transient(exc) is None:
-            # the flags and the checkpoint are every rank's: rank 0 meets the same error and prints it
+        try:
+            rank = world_from_env().rank
+        except UsageError:
+            rank = 0
+        if rank > 0:  # every rank parses the same flags: rank 0 prints the error
             raise QuietUsageError(str(exc)) from None
         raise
+
+
+def train(argv=None, prog="naflex-accum train") -> dict:
+    """Parse, set up the process group, run, tear down; returns run()'s summary (rank 0's is complete).
+
+    With several processes, a failure on any rank ends every rank in the first failure's exit class, its
+    line printed once (``peers``): this raises ``QuietUsageError`` or ``RankEnded`` where another rank's
+    failure was printed elsewhere."""
+    args = _parse(argv, prog)
+    world, code = connect(timeout=args.dist_timeout, prog=prog), None
+    try:
+        world, device = init_distributed(args.device, world=world)
+        result = run(args, world, device)
+        code = result["exit_code"]
+    except (Exception, KeyboardInterrupt) as exc:
+        if world.peers is None:
+            raise
+        world.peers.end_with(exc)
     finally:
-        if world.distributed and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        world.close(code)
     result.update(is_master=world.is_master, report_to=args.report_to)
     return result
 
@@ -303,7 +332,9 @@ def main(argv=None, prog="naflex-accum train") -> int:
         result = train(argv, prog)
     except QuietUsageError:
         return 2
-    except Exception as exc:  # before the run proper (counting the shards, making its folder) or after it
+    except RankEnded as ended:
+        return ended.code
+    except Exception as exc:  # one process, before the run proper (counting the shards, making its folder) or after
         what = transient(exc)
         if what is None:
             raise

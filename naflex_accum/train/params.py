@@ -18,6 +18,7 @@ from ..accum.scales import LOSS_SCALES, check_options
 from ..errors import OneLineParser, UsageError, check_int, check_ints
 from ..models import load_config
 from . import finetune
+from .peers import COLLECTIVE_MARGIN, DEFAULT_TIMEOUT
 from .report import check_wandb
 
 RUN_CONFIG_DIR = Path(__file__).resolve().parent.parent / "run_configs"
@@ -106,6 +107,11 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     r.add_argument("--check-every-n-steps", type=int, default=10,
                    help="every N optimizer steps at least, all ranks agree on stop requests and check the loss "
                         "is finite (one all-reduce and one device read; logging and saving steps always check)")
+    r.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="several processes: a rank not heard from for this long (no heartbeat: a stopped or "
+                        "frozen process) ends the run on every rank with one line (exit 74); a collective waits "
+                        f"at most this + {COLLECTIVE_MARGIN:g} s. Rank 0's evaluations and checkpoint writes do "
+                        "not count while it is alive")
     r.add_argument("--torchcompile", action="store_true",
                    help="torch.compile the model (upstream's 'model' strategy): a graph per sequence length")
     r.add_argument("--torchcompile-backend", default=None, help="torch.compile backend (default: inductor)")
@@ -242,6 +248,8 @@ def validate(args) -> None:
         raise UsageError(f"--lr must be positive; got {args.lr}")
     if not (args.data_timeout >= 0 and args.data_timeout != float("inf")):
         raise UsageError(f"--data-timeout must be a number of seconds >= 0 (0: no limit); got {args.data_timeout}")
+    if not (args.dist_timeout > 0 and args.dist_timeout != float("inf")):
+        raise UsageError(f"--dist-timeout must be a number of seconds > 0; got {args.dist_timeout}")
     if args.save_every_n_steps and args.keep_last < 1:
         raise UsageError("--keep-last must be at least 1 with --save-every-n-steps (0 would delete every "
                          "step checkpoint as it is written)")

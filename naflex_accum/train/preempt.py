@@ -44,6 +44,10 @@ def exits_after_run() -> None:
     _process_ends_with_run = True
 
 
+def process_ends_with_run() -> bool:
+    return _process_ends_with_run
+
+
 def process_start() -> float:
     """When this process started (epoch seconds), from /proc; where that cannot be read, when this module was."""
     try:

@@ -87,7 +87,7 @@ def on_master(world, fn, *args):
             outcome = (True, fn(*args))
         except UsageError as exc:
             outcome, error = (False, str(exc)), exc
-    ok, value = world.broadcast_object(outcome)
+    ok, value = world.master_result(outcome)  # the others wait on the store while rank 0 works alone
     if ok:
         return value
     if error is not None:
