@@ -28,7 +28,7 @@ def _module(name: str):
     return importlib.import_module(f"naflex_accum.commands.{COMMANDS[name][0]}")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="naflex-accum", description="Exact, split-invariant gradient accumulation "
                                      "for OpenCLIP NaFlex CLIP and SigLIP training.")
@@ -42,7 +42,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     name, rest = argv[0], argv[1:]
     module = _module(name)
     try:
-        return int(module.main(rest, prog=f"naflex-accum {name}") or 0)
+        return int(module.main(rest, prog=f"naflex-accum {name}", ends_process=ends_process) or 0)
     except UsageError as exc:
         print(f"naflex-accum {name}: error: {exc}", file=sys.stderr)
         return 2
@@ -60,12 +60,9 @@ def entry(argv: Optional[List[str]] = None) -> int:
     With ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there: torchrun exits 1 whatever
     status its workers had, and a cluster script that requeues on 74 reads the trainer's own from the file.
     """
-    from .train.preempt import exits_after_run
-
-    exits_after_run()  # a scheduler's SIGTERM after a run has saved must not kill it during teardown
     code = 1  # what an exception leaving here means
     try:
-        code = main(argv)
+        code = main(argv, ends_process=True)  # a scheduler's SIGTERM after a run has saved must not kill it
         return code
     finally:
         _record_exit(code)

@@ -2,7 +2,9 @@
 
 Invariant: every error a user can meet is one of these classes and its message
 is one line: a ``UsageError`` names the flag or file at fault and what would be
-valid (the CLI prints it and exits 2, no traceback); a ``StepError`` (and its
+valid (the CLI prints it and exits 2, no traceback; ``WriteError`` a run-folder
+file that cannot be written; ``QuietUsageError`` another rank's copy of rank 0's,
+which only rank 0 prints); a ``StepError`` (and its
 ``ContractError``) is the accumulation step's refusal; ``PatchError`` and
 ``SelfCheckFailed`` the runner's. A ``TransientError`` is one line too, for a
 failure that says nothing about the settings (storage gone mid-run, input that
@@ -20,6 +22,20 @@ from typing import Optional
 
 class UsageError(ValueError):
     """A bad setting, flag or input file, in one line (the CLI prints it and exits 2)."""
+
+
+class QuietUsageError(UsageError):
+    """Rank 0's ``UsageError``, raised again on the other ranks so they exit 2 too; only rank 0 prints it."""
+
+
+class WriteError(UsageError):
+    """A file of the run folder could not be written (full disk, no permission, ...); ``errno``: the OS error's
+    (``storage_gone`` tells the storage that went away, exit 74, from a setting to fix, exit 2)."""
+
+    def __init__(self, path, exc: OSError):
+        reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
+        super().__init__(f"cannot write {path}: {reason}")
+        self.errno = exc.errno
 
 
 class StepError(ValueError):

@@ -172,9 +172,7 @@ def test_a_signal_after_the_run_has_saved_does_not_kill_the_process():
             "from types import SimpleNamespace\n"
             "from naflex_accum.train import preempt\n"
             "world = SimpleNamespace(is_master=True)\n"
-            "if sys.argv[1] == 'entry':\n"
-            "    preempt.exits_after_run()\n"
-            "stop = preempt.StopRequest(Path('STOP'), world)\n"
+            "stop = preempt.StopRequest(Path('STOP'), world, ends_process=sys.argv[1] == 'entry')\n"
             "stop.close()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "sys.exit(0)\n")

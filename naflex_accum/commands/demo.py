@@ -74,7 +74,7 @@ def summarize(result: dict) -> None:
           f"{1 / n:.3f} / {min(5, n) / n:.3f}")
 
 
-def main(argv, prog="naflex-accum demo") -> int:
+def main(argv, prog="naflex-accum demo", ends_process=False) -> int:
     parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0],
                                      epilog="Other arguments are passed to naflex-accum train and win over the preset.")
     parser.add_argument("--data-dir", type=Path, default=default_data_dir(), help="demo data cache folder")
@@ -89,7 +89,7 @@ def main(argv, prog="naflex-accum demo") -> int:
     # Zero-shot on the held-out split before training and after the preset's last epoch (5).
     result = train(["--config", "demo", "--train-data", patterns["train"], "--val-data", patterns["val"],
                     "--val-at-start", "--zeroshot-classes", ZERO_SHOT_CLASSES, "--zeroshot-frequency", "5",
-                    "--logs", args.logs, "--name", name, *train_flags], "naflex-accum demo")
+                    "--logs", args.logs, "--name", name, *train_flags], "naflex-accum demo", ends_process)
     summarize(result)
     print_footer(result)
     return result["exit_code"]

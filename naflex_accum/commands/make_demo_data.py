@@ -13,7 +13,7 @@ from ..data.demo import write_demo_data
 from ..errors import OneLineParser, UsageError, check_int
 
 
-def main(argv, prog="naflex-accum make-demo-data") -> int:
+def main(argv, prog="naflex-accum make-demo-data", ends_process=False) -> int:
     parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("dir", metavar="DIR", help="output folder (created if missing)")
     parser.add_argument("--num-samples", type=int, default=10000, help="training samples (default 10000)")

@@ -7,6 +7,6 @@ open_clip without NaFlex training exits 2 with one line.
 from ..upstream.runner import run
 
 
-def main(argv, prog="naflex-accum openclip") -> int:
+def main(argv, prog="naflex-accum openclip", ends_process=False) -> int:
     # No argparse here: every ARG, --help included, belongs to upstream.
     return run(argv)

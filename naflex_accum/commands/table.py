@@ -33,7 +33,7 @@ def load_step(spec: str):
     return fn
 
 
-def main(argv, prog="naflex-accum table") -> int:
+def main(argv, prog="naflex-accum table", ends_process=False) -> int:
     parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--step", default="naflex_accum:train_step_eager",
                         help="MODULE:FUNCTION of the step to audit (default: ours)")

@@ -2,5 +2,5 @@
 from ..train.main import main as train_main
 
 
-def main(argv, prog="naflex-accum train") -> int:
-    return train_main(argv, prog)
+def main(argv, prog="naflex-accum train", ends_process=False) -> int:
+    return train_main(argv, prog, ends_process)

@@ -192,7 +192,7 @@ def render_json(target: Target, loss: str, version: str, results, seconds: float
                        "passed": all(r.passed for r in results), "seconds": round(seconds, 2), "rows": rows})
 
 
-def main(argv, prog="naflex-accum verify") -> int:
+def main(argv, prog="naflex-accum verify", ends_process=False) -> int:
     parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--loss", default="clip", choices=LOSSES,
                         help="loss of the tiny model (default: clip); coca needs upstream open_clip main")

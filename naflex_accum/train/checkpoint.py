@@ -25,7 +25,7 @@ from typing import List, Optional, Set, Tuple
 import torch
 
 from ..data.workers import held as held_worker_failures
-from ..errors import UsageError
+from ..errors import UsageError, WriteError
 from .integrity import changed_parts, seal, sealed
 
 log = logging.getLogger(__name__)
@@ -41,16 +41,6 @@ ALLOWED_GLOBALS: tuple = ()
 REQUIRED_KEYS = ("epoch", "state_dict", "optimizer")
 ZIP_START = b"PK\x03\x04"  # torch.save's format since torch 1.6
 PICKLE_START = b"\x80"  # torch.save's legacy format: a pickle of protocol 2 or later
-
-
-class WriteError(UsageError):
-    """A file of the run folder could not be written (full disk, no permission, ...); ``errno``: the OS error's
-    (``errors.storage_gone`` tells the storage that went away, exit 74, from a setting to fix, exit 2)."""
-
-    def __init__(self, path, exc: OSError):
-        reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
-        super().__init__(f"cannot write {path}: {reason}")
-        self.errno = exc.errno
 
 
 class _Writer:

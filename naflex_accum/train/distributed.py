@@ -204,15 +204,17 @@ def _open_store(world: World, address: tuple, timeout: timedelta):
                          f"MASTER_PORT): {why}") from None
 
 
-def connect(env=None, timeout: float = DEFAULT_TIMEOUT, prog: str = "naflex-accum train") -> World:
+def connect(env=None, timeout: float = DEFAULT_TIMEOUT, prog: str = "naflex-accum train",
+            ends_process: bool = False) -> World:
     """This process's ``World``; in a run of several processes the job's store is open and this rank is heard
-    (``World.peers``) from here on, before any other step of the set-up can fail."""
+    (``World.peers``) from here on, before any other step of the set-up can fail. ``ends_process``: this
+    process ends with the run (``preempt.StopRequest``)."""
     env = os.environ if env is None else env
     world = world_from_env(env)
     if world.distributed:
         address = _master_address(env)
         store = _open_store(world, address, timedelta(seconds=timeout + COLLECTIVE_MARGIN))
-        world.peers = Peers(world, store, address, timeout, prog)
+        world.peers = Peers(world, store, address, timeout, prog, ends_process)
     return world
 
 

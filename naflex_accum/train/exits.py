@@ -10,8 +10,7 @@ cannot read, no batch within ``--data-timeout``, a source that would not count),
 from typing import Optional
 
 from ..data.workers import failure as loader_failure
-from ..errors import TransientError, storage_gone
-from .checkpoint import WriteError
+from ..errors import TransientError, WriteError, storage_gone
 from .preempt import EXIT_STOPPED
 
 EXIT_NONFINITE = 3

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ..errors import UsageError
-from .checkpoint import WriteError, checkpoint_files, file_position, fsync_dir
+from ..errors import UsageError, WriteError
+from .checkpoint import checkpoint_files, file_position, fsync_dir
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Dict, Optional
 
 from open_clip_train.train import AverageMeter
 
-from .checkpoint import WriteError
+from ..errors import WriteError
 
 LOGGER_NAME = "naflex_accum"
 

@@ -19,11 +19,11 @@ from ..accum.modes import make_step
 from ..data import DataConfig, make_train_loader, make_val_loader
 from ..data.loader import data_index
 from ..data.workers import stop_all as stop_workers
-from ..errors import UsageError
+from ..errors import QuietUsageError, UsageError, WriteError
 from ..models import create_model, enable_patch_sizes
 from ..tasks import create_task
 from . import fsdp
-from .checkpoint import WriteError, load_checkpoint
+from .checkpoint import load_checkpoint
 from .compile import compile_model
 from .distributed import connect, init_distributed, world_from_env
 from .evaluate import evaluate
@@ -38,7 +38,7 @@ from .peers import RankEnded, RankFailure
 from .preempt import EXIT_STOPPED, Preempted, StopRequest
 from .report import open_wandb, sinks
 from .resume import restore
-from .rundir import QuietUsageError, claim_run, create_run_folder, on_master
+from .rundir import claim_run, create_run_folder, on_master
 from .saver import NonFiniteWeights, Saver
 from .zeroshot import due, make_zero_shot
 
@@ -190,14 +190,15 @@ def _after_failure(state, saver) -> str:
             f"{saver.last_good or 'none'}; run again with --resume latest")
 
 
-def run(args, world, device) -> dict:
+def run(args, world, device, ends_process: bool = False) -> dict:
+    """One run in this process; ``ends_process``: the process ends with it (``preempt.StopRequest``)."""
     setup_logging(None, world.is_master)
     claim = claim_run(args, world)
     if world.peers is not None:
         world.peers.context = lambda: (f"nothing was trained; last checkpoint: {claim.resume or 'none'}; run it "
                                        f"again" + (" with --resume latest" if claim.resume else ""))
     try:
-        return _run(args, world, device, claim)
+        return _run(args, world, device, claim, ends_process)
     except UsageError:
         claim.discard()  # a refused start leaves no folder it made, unless it trained a step or saved there
         raise
@@ -205,7 +206,7 @@ def run(args, world, device) -> dict:
         claim.release()
 
 
-def _run(args, world, device, claim) -> dict:
+def _run(args, world, device, claim, ends_process: bool) -> dict:
     paths = claim.paths
     task, model = build_task(args, world, device)
     train_data, val_data = build_data(args, world, model, device)
@@ -221,7 +222,7 @@ def _run(args, world, device, claim) -> dict:
     state.scheduler = make_scheduler(optimizer, args.lr, args.warmup, state.lr_steps_per_epoch * args.epochs,
                                      args.lr_scheduler)
     create_run_folder(claim, args, world)  # everything above is checked: only now is the folder made or changed
-    stop = StopRequest(paths.stop_file, world)
+    stop = StopRequest(paths.stop_file, world, ends_process)
     stop.clear()
     saver = Saver(paths, args, world, model, last_good=claim.resume)
     if world.peers is not None:
@@ -293,17 +294,18 @@ def _parse(argv, prog):
         raise
 
 
-def train(argv=None, prog="naflex-accum train") -> dict:
+def train(argv=None, prog="naflex-accum train", ends_process: bool = False) -> dict:
     """Parse, set up the process group, run, tear down; returns run()'s summary (rank 0's is complete).
 
     With several processes, a failure on any rank ends every rank in the first failure's exit class, its
     line printed once (``peers``): this raises ``QuietUsageError`` or ``RankEnded`` where another rank's
-    failure was printed elsewhere."""
+    failure was printed elsewhere. ``ends_process``: this process ends with the run (the entry points say so):
+    a scheduler's signal after the run has saved is then ignored (``preempt``)."""
     args = _parse(argv, prog)
-    world, code = connect(timeout=args.dist_timeout, prog=prog), None
+    world, code = connect(timeout=args.dist_timeout, prog=prog, ends_process=ends_process), None
     try:
         world, device = init_distributed(args.device, world=world)
-        result = run(args, world, device)
+        result = run(args, world, device, ends_process)
         code = result["exit_code"]
     except (Exception, KeyboardInterrupt) as exc:
         if world.peers is None:
@@ -326,10 +328,10 @@ def print_footer(result: dict) -> None:
         print(f"wandb: {folder} (offline runs: wandb sync {folder}/offline-run-*)")
 
 
-def main(argv=None, prog="naflex-accum train") -> int:
+def main(argv=None, prog="naflex-accum train", ends_process: bool = False) -> int:
     """The exit status is one of ``EXIT_CODES``; rank 0 alone prints an error every rank shares."""
     try:
-        result = train(argv, prog)
+        result = train(argv, prog, ends_process)
     except QuietUsageError:
         return 2
     except RankEnded as ended:

@@ -25,13 +25,12 @@ from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
-from ..errors import UsageError
+from ..errors import QuietUsageError, UsageError
 from . import storehost
 from .channel import Channel, Failure, Pulse
 from .exits import EXIT_LOADER, transient
 from .logs import log_file_only
 from .preempt import EXIT_STOPPED
-from .rundir import QuietUsageError
 
 DEFAULT_TIMEOUT = 600.0  # --dist-timeout's default (docs/distributed.md says why)
 COLLECTIVE_MARGIN = 30.0  # a collective waits --dist-timeout + this: a rank stuck on its loader names itself first
@@ -96,11 +95,12 @@ def ranks_text(ranks: List[int]) -> str:
 class Peers:
     """This rank's side of the channel: the main thread's API (the watchdog thread is ``watchdog.Watchdog``)."""
 
-    def __init__(self, world, store, address: tuple, timeout: float, prog: str):
+    def __init__(self, world, store, address: tuple, timeout: float, prog: str, ends_process: bool = False):
         from .watchdog import StoreLink, Watchdog  # watchdog uses this module's classes
 
         self.rank, self.world_size = world.rank, world.world_size
         self.address, self.timeout, self.prog = address, timeout, prog
+        self.ends_process = ends_process  # the watchdog's signal handlers are left ignoring (preempt.StopRequest)
         self.prefix, self.store, self.link = channel_prefix(), store, StoreLink(address)
         self.main = Channel(dist.PrefixStore(self.prefix, store), world.world_size, self.store_gone)
         _FORKING_RANK[0] = True

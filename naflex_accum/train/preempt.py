@@ -16,9 +16,10 @@ starts up stops it after its first step; a ``STOP`` served (the run saved and
 stops) is removed, so the next start never meets it. The data loader's workers ignore both
 signals, so one sent to the whole process group (as SLURM sends it) does not
 kill a worker under the trainer; the previous handlers come back when the run
-ends, except in a process that ends with the run (``exits_after_run``): there a
-signal after the run has saved is ignored, so a scheduler's SIGTERM landing
-during teardown cannot turn a finished, saved run into a killed one.
+ends, except in a process that ends with the run (``ends_process``, which only the
+entry points pass): there a signal after the run has saved is ignored, so a
+scheduler's SIGTERM landing during teardown cannot turn a finished, saved run
+into a killed one.
 """
 import logging
 import os
@@ -34,18 +35,7 @@ LAUNCHED_ENV = "NAFLEX_ACCUM_LAUNCHED"
 # clocks differ a little, and the seconds of $NAFLEX_ACCUM_LAUNCHED are whole. A requeued job starts far later.
 CLOCK_SKEW = 2.0
 _IMPORTED = time.time()  # an upper bound on this process's start
-_process_ends_with_run = False
 log = logging.getLogger(__name__)
-
-
-def exits_after_run() -> None:
-    """Called by the entry points (console script, ``python -m``): this process ends when the run does."""
-    global _process_ends_with_run
-    _process_ends_with_run = True
-
-
-def process_ends_with_run() -> bool:
-    return _process_ends_with_run
 
 
 def process_start() -> float:
@@ -82,9 +72,9 @@ class Preempted(Exception):
 
 
 class StopRequest:
-    def __init__(self, stop_file: Path, world):
+    def __init__(self, stop_file: Path, world, ends_process: bool = False):
         self.stop_file = Path(stop_file)
-        self.world = world
+        self.world, self.ends_process = world, ends_process
         self.signalled = None  # the name of the first signal received, or None
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
@@ -126,5 +116,5 @@ class StopRequest:
 
     def close(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, signal.SIG_IGN if _process_ends_with_run else handler)
+            signal.signal(sig, signal.SIG_IGN if self.ends_process else handler)
         self._previous = {}

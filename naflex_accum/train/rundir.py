@@ -28,16 +28,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
-from ..errors import UsageError
-from .checkpoint import MOST_RECENT, WriteError, load_checkpoint, newest_loadable, position, remove_stale_temps
+from ..errors import QuietUsageError, UsageError, WriteError
+from .checkpoint import MOST_RECENT, load_checkpoint, newest_loadable, position, remove_stale_temps
 from .lineage import abandoned_folders, start_branch
 from .logs import setup_logging, write_params
 
 log = logging.getLogger(__name__)
-
-
-class QuietUsageError(UsageError):
-    """Rank 0's error, raised again on the other ranks so they exit 2 too; only rank 0 prints it."""
 
 
 @dataclass

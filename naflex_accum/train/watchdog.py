@@ -28,7 +28,7 @@ from .channel import GONE, Channel, Failure, Pulse
 from .exits import EXIT_LOADER
 from .logs import LOGGER_NAME
 from .peers import ACK_WAIT, ended_line, frozen_line, ranks_text
-from .preempt import EXIT_STOPPED, SIGNALS, process_ends_with_run
+from .preempt import EXIT_STOPPED, SIGNALS
 
 TAKEOVER = 5.0  # seconds the main thread gets to end the process itself once a failure is decided
 MAIN_ENDING_LIMIT = 30.0  # a main thread that began ending this long ago and has not: this thread ends it
@@ -73,8 +73,9 @@ class Signals:
     over, the handler here stands in for their default action, which would kill the process before it
     could say why (torchrun sends SIGTERM to every rank the moment one fails)."""
 
-    def __init__(self):
+    def __init__(self, ends_process: bool = False):
         self.read_fd: Optional[int] = None
+        self.ends_process = ends_process  # restore() leaves the signals ignored (preempt.StopRequest)
         self.previous, self.caught = {}, []  # caught: [(signal number, time, whether ours)] not yet acted on
         self._handler = self._on_signal  # one object, so that ``getsignal(...) is self._handler`` holds
         if threading.current_thread() is not threading.main_thread():
@@ -131,7 +132,7 @@ class Signals:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, handler in self.previous.items():
-            signal.signal(sig, signal.SIG_IGN if process_ends_with_run() else handler)
+            signal.signal(sig, signal.SIG_IGN if self.ends_process else handler)
         self.previous = {}
         if self.read_fd is not None:
             signal.set_wakeup_fd(-1)
@@ -177,7 +178,7 @@ class Watchdog(threading.Thread):
         self.channel = None  # its own store client, made on this thread
         self.call, self.pulse, self.count, self.beat = Bounded(), Pulse(), 0, "0"  # beat: the value last written
         self.handover: Optional[float] = None  # when the run's StopRequest was first seen holding a caught signal
-        self.signals = Signals()
+        self.signals = Signals(peers.ends_process)
         self.stuck_since: Optional[float] = None
         self.closed = threading.Event()
         self.others = [r for r in range(peers.world_size) if r != peers.rank]
