@@ -25,6 +25,6 @@ __all__ = ["window_loss_scale", "train_step_eager", "cached_loss_step", "replay_
 def __getattr__(name):
     # The patch layer is imported on first use; importing it patches nothing.
     if name in _PATCH_API:
-        from .upstream import patch
+        from .upstream import patch  # lazy: `import naflex_accum` is the step alone, open_clip unimported
         return getattr(patch, name)
     raise AttributeError(f"module 'naflex_accum' has no attribute {name!r}")

@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch.nn as nn
+from open_clip.coca_model import CoCa
+from open_clip.model import CLIP
 from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+from timm.layers import PatchEmbedInterpolator
 from timm.models import build_model_with_cfg, is_model, register_model
 from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg, checkpoint_filter_fn
 
@@ -111,8 +114,6 @@ def create_model(
     ``grad_checkpointing`` calls the model's own ``set_grad_checkpointing(True)``
     (timm NaFlexVit's blocks and open_clip's text transformer).
     """
-    from open_clip.model import CLIP
-
     register_timm_models()
     cfg = copy.deepcopy(name_or_config if isinstance(name_or_config, dict) else load_config(name_or_config))
     if patch_dropout is not None:
@@ -153,8 +154,6 @@ def _upstream_style_coca():
     """open_clip's CoCa returning upstream main's outputs: logits at every text position, no ``labels``."""
     global _coca_class
     if _coca_class is None:
-        from open_clip.coca_model import CoCa
-
         class UpstreamStyleCoCa(CoCa):
             def forward(self, image, text=None, image_latent=None, image_embs=None):
                 return super().forward(image, text, image_latent, image_embs, output_labels=False)
@@ -201,8 +200,6 @@ def enable_patch_sizes(model) -> None:
     interpolator has no parameters, so state_dict keys are unchanged and a
     checkpoint still loads into the plain config.
     """
-    from timm.layers import PatchEmbedInterpolator
-
     embeds = model.visual.trunk.embeds
     if getattr(embeds, "patch_interpolator", None) is None:
         embeds.patch_interpolator = PatchEmbedInterpolator(

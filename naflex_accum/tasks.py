@@ -11,6 +11,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from open_clip.loss import ClipLoss, CoCaLoss, SigLipLoss
 
 from .accum.step import total_loss
 from .accum.window import is_naflex_batch
@@ -82,8 +83,6 @@ class ContrastiveTask(nn.Module):
 
 class ClipTask(ContrastiveTask):
     def __init__(self, model, *, local_loss=False, gather_with_grad=False, rank=0, world_size=1):
-        from open_clip.loss import ClipLoss
-
         super().__init__(model, ClipLoss(
             local_loss=local_loss, gather_with_grad=gather_with_grad, cache_labels=True,
             rank=rank, world_size=world_size))
@@ -91,8 +90,6 @@ class ClipTask(ContrastiveTask):
 
 class SigLipTask(ContrastiveTask):
     def __init__(self, model, *, rank=0, world_size=1, **_ignored):
-        from open_clip.loss import SigLipLoss
-
         super().__init__(model, SigLipLoss(rank=rank, world_size=world_size))
 
 
@@ -109,8 +106,6 @@ class CocaTask(ContrastiveTask):
 
     def __init__(self, model, *, caption_loss_weight=2.0, clip_loss_weight=1.0, local_loss=False,
                  gather_with_grad=False, rank=0, world_size=1):
-        from open_clip.loss import CoCaLoss
-
         super().__init__(model, CoCaLoss(
             caption_loss_weight=caption_loss_weight, clip_loss_weight=clip_loss_weight, local_loss=local_loss,
             gather_with_grad=gather_with_grad, cache_labels=True, rank=rank, world_size=world_size))

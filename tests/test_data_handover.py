@@ -4,7 +4,7 @@ import torch
 from torch.utils.data._utils.pin_memory import pin_memory
 
 from naflex_accum.data.assemble import assemble
-from naflex_accum.data import handover, make_train_loader
+from naflex_accum.data import delivery, handover, make_train_loader
 from naflex_accum.data import loader as loader_module
 from test_data_common import CharTokenizer, config, demo
 
@@ -116,7 +116,6 @@ def test_released_slots_are_reused_and_views_keep_theirs(shards, monkeypatch, wo
 
 def test_without_recycling_batches_travel_in_fresh_memory(shards, monkeypatch):
     # what a pinned (CUDA) loader's workers do: its pin thread copies each batch out at once
-    from naflex_accum.data.loader import _data_loader, _iterate
 
     received = []
     monkeypatch.setattr(handover.Receiver, "patches", lambda self, ref: received.append(ref))
@@ -125,7 +124,7 @@ def test_without_recycling_batches_travel_in_fresh_memory(shards, monkeypatch):
     assert stream.recycle
     stream.recycle = False
     parts = {}
-    for part, meta in _iterate(_data_loader(stream, 2, False), False, handover.Receiver(stream.flags)):
+    for part, meta in delivery.iterate(delivery.torch_loader(stream, 2, False), False, handover.Receiver(stream.flags)):
         parts.setdefault(meta["index"], []).append((part, meta))
     specs = loader.schedule(0)
     batches = {i: assemble(pieces, specs[i].batch_size)[0] for i, pieces in parts.items()}
@@ -154,7 +153,7 @@ def test_the_assembly_pool_reuses_a_buffer_only_when_nothing_holds_it():
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_the_training_process_never_freezes_its_heap(shards, workers):
-    """Only loader workers freeze (``loader.freeze_heap``): in the training process a frozen cycle would never
+    """Only loader workers freeze (``delivery.freeze_heap``): in the training process a frozen cycle would never
     be freed, and collecting first costs more than freezing saves. A cycle dropped before an epoch is freed."""
     import gc
     import weakref

@@ -27,6 +27,8 @@ import logging
 from typing import Optional, Tuple
 
 import torch
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.v2.functional import resize_image
 
 from ..errors import UsageError
 from .images import ImageInfo, decode_rgb, inspect, peak_bytes
@@ -62,7 +64,7 @@ def _decoder():
     global _simplejpeg
     if _simplejpeg is None:
         try:
-            import simplejpeg
+            import simplejpeg  # a declared dependency, but a missing one must not stop a run
             _simplejpeg = simplejpeg
         except ImportError:  # a declared dependency; without it every JPEG takes the full path
             log.warning("simplejpeg is not installed: JPEGs are decoded at full size (pip install simplejpeg)")
@@ -105,9 +107,6 @@ def over_budget(info: ImageInfo) -> str:
 def decode_for_seq(data: bytes, seq_len: int, patch_size: int, mode: str = "scaled",
                    info: Optional[ImageInfo] = None) -> torch.Tensor:
     """uint8 ``[3, h, w]``, ``(h, w) = size_for_seq`` of the full image: see the module docstring."""
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms.v2.functional import resize_image
-
     info = inspect(data) if info is None else info
     over = peak_bytes(info) > DECODE_BUDGET
     if info.scalable and (mode == "scaled" or over):

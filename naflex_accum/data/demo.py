@@ -11,10 +11,14 @@ uses a different seed stream. Each split directory gets open_clip's
 import io
 import json
 import math
+import multiprocessing as mp
 import os
 import random
 import tarfile
+from concurrent.futures import ProcessPoolExecutor
 from typing import Dict, NamedTuple, Tuple
+
+from PIL import Image, ImageDraw
 
 from ..errors import check_int
 from .schedule import derive_seed
@@ -68,8 +72,6 @@ def _shape_points(shape: str, x0: float, y0: float, s: float):
 
 def render_sample(seed: int, split: str, index: int) -> Tuple[bytes, str, Dict]:
     """(encoded image, its extension, attributes) of sample ``index`` of ``split``."""
-    from PIL import Image, ImageDraw
-
     rng = random.Random(derive_seed("demo", seed, split, index))
     attrs = {"shape": rng.choice(SHAPES), "size": rng.choice(list(SIZES)),
              "position": rng.choice(list(POSITIONS)), "background": rng.choice(list(BACKGROUNDS))}
@@ -128,9 +130,6 @@ def _write_split(out_dir: str, split: str, num: int, seed: int, shard_size: int,
     shards = [(os.path.join(folder, f"shard-{k:06d}.tar"), seed, split, start, min(start + shard_size, num))
               for k, start in enumerate(range(0, num, shard_size))]
     if processes > 1 and len(shards) > 1:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
         # fork: the children need nothing re-imported (spawn would pay for torch's import in each)
         ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
         with ProcessPoolExecutor(min(processes, len(shards)), mp_context=ctx) as pool:

@@ -30,7 +30,10 @@ import sys
 import warnings
 from typing import NamedTuple
 
+import numpy as np
 import torch
+from PIL import Image, ImageOps
+from torchvision.io import ImageReadMode, decode_jpeg, decode_png, decode_webp
 
 _JPEG, _PNG, _WEBP = "jpeg", "png", "webp"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -67,7 +70,6 @@ def readable(data: bytes) -> bool:
     """Cheap read-time check: a JPEG/PNG/WebP signature, else Pillow can identify the file (raises if not)."""
     if sniff(data) is not None:
         return True
-    from PIL import Image
     with Image.open(io.BytesIO(data)):
         return True
 
@@ -167,7 +169,6 @@ def _webp(data: bytes) -> ImageInfo:
 
 
 def _check_pixels(info: ImageInfo) -> ImageInfo:
-    from PIL import Image
     limit = Image.MAX_IMAGE_PIXELS
     if limit and info.height * info.width > 2 * limit:  # where Pillow raises DecompressionBombError
         raise ValueError(f"{info.width}x{info.height} pixels is more than twice PIL.Image.MAX_IMAGE_PIXELS "
@@ -180,7 +181,6 @@ def inspect(data: bytes) -> ImageInfo:
     fmt = sniff(data)
     if fmt is not None:
         return _check_pixels({_JPEG: _jpeg, _PNG: _png, _WEBP: _webp}[fmt](data))
-    from PIL import Image
     with Image.open(io.BytesIO(data)) as img:  # Pillow raises its own DecompressionBombError
         return ImageInfo(img.format or "unknown", img.height, img.width, torchvision=False)
 
@@ -248,8 +248,6 @@ def _as_tensor(data: bytes) -> torch.Tensor:
 
 
 def _torchvision(data: bytes, info: ImageInfo) -> torch.Tensor:
-    from torchvision.io import ImageReadMode, decode_jpeg, decode_png, decode_webp
-
     raw = _as_tensor(data)
     mode = ImageReadMode.RGB_ALPHA if info.alpha else ImageReadMode.RGB
     if info.format == _JPEG:
@@ -264,9 +262,6 @@ def _torchvision(data: bytes, info: ImageInfo) -> torch.Tensor:
 
 
 def _pillow(data: bytes) -> torch.Tensor:
-    import numpy as np
-    from PIL import Image, ImageOps
-
     def tensor(array):  # HWC numpy -> CHW view of HWC memory
         return torch.from_numpy(array).permute(2, 0, 1)
 

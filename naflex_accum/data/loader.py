@@ -13,10 +13,7 @@ that dies, raises or sends nothing for ``DataConfig.timeout`` seconds raises
 torch's error in the main process, which ``workers.failure`` names in one line;
 reading in this process, a wait that long raises ``alarm.LoaderTimeout``.
 """
-import functools
-import gc
 import logging
-import signal
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -25,6 +22,7 @@ from ..errors import UsageError, check_int
 from .alarm import bounded
 from .assemble import Pool, assemble
 from .decode import check_mode
+from .delivery import EpochCounter, iterate, torch_loader
 from .handover import Receiver
 from .index import listed_total, same_file, shard_sizes
 from .order import Segment, check_slots, default_slots
@@ -34,125 +32,10 @@ from .samples import IMAGE_EXTS, Corruption, shard_samples
 from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import expand_sources, expand_urls, shard_weights
 from .slots import DataIndex
-from .workers import lost, raise_pending, read_failed, register as register_workers, stop as stop_workers
+from .workers import stop as stop_workers
 
 log = logging.getLogger(__name__)
 RING_LOOKAHEAD = 4  # batches past the one delivered that get a ring buffer: more than workers run ahead
-LOG_LIMIT = 20
-
-
-def _passthrough(batch):
-    return batch
-
-
-class _Counter:
-    """Per-epoch counters and the rate-limited warnings for corrupt samples.
-
-    Training counts stand-ins (``fill``): an unusable sample's row took another sample of its slot. Held-out
-    data has none: an unusable sample is skipped.
-    """
-
-    def __init__(self, what: str, epoch: Optional[int] = None):
-        self.what, self.logged, self.train = what, set(), epoch is not None
-        self.stats = {"batches": 0, "samples": 0, "image_tokens": 0, "corrupt": 0}
-        if self.train:
-            self.stats = {"epoch": epoch, **self.stats, "standins": 0}
-
-    def add(self, meta: Dict, batch: Optional[Dict]):
-        if batch is not None:
-            self.stats["batches"] += 1
-            self.stats["samples"] += meta["samples"]
-            self.stats["image_tokens"] += meta["image_tokens"]
-        self.stats["corrupt"] += meta.get("corrupt", 0)
-        if self.train:
-            self.stats["standins"] += meta.get("standins", 0)
-        what = "unusable" if self.train else "skipped"
-        for message in meta.get("messages", ()):
-            # Resampled shards repeat their bad samples: each distinct one is logged once an epoch.
-            if message in self.logged or len(self.logged) > LOG_LIMIT:
-                continue
-            self.logged.add(message)
-            if len(self.logged) <= LOG_LIMIT:
-                log.warning("%s: %s %s", self.what, what, message)
-            else:
-                log.warning("%s: further unusable samples are counted, not logged one by one", self.what)
-
-    def close(self):
-        if not self.stats["corrupt"] and not self.stats.get("standins"):
-            return
-        if self.train:
-            log.warning("%s: %d rows' samples were unusable; %d rows took a stand-in (another sample of their "
-                        "slot; %d rows in all)", self.what, self.stats["corrupt"], self.stats["standins"],
-                        self.stats["samples"])
-        else:
-            log.warning("%s: skipped %d corrupt samples (%d used)", self.what, self.stats["corrupt"],
-                        self.stats["samples"])
-
-
-def freeze_heap() -> None:
-    """In a loader worker: exempt the heap it inherited (modules, the model, the loader) from the cyclic
-    garbage collector.
-
-    Those ~400,000 objects are never garbage, yet a full collection walks them all (about 0.2 s) and, in a
-    forked worker, writes to their pages, which copies them from the parent. A frozen cycle is never freed:
-    the worker's frozen copies of the parent's garbage lie in pages it never touches and go with it. The
-    training process freezes nothing: a full collection first (to free its cycles) would cost 0.25 s at
-    each start, more than the freeze saves it (on the photo benchmark it has no full collection in an
-    epoch of 2,000 images, with 0 workers or more).
-    """
-    gc.freeze()
-
-
-def _init_worker(worker_id: int) -> None:
-    """Freeze the inherited heap (``freeze_heap``), and leave stopping to the main process: it decides when a
-    run stops (finish the step, save, exit), so a SIGTERM or SIGUSR1 sent to the whole process group (SLURM,
-    Kubernetes) must not kill a worker under it."""
-    freeze_heap()
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def _pinned(batch):
-    if isinstance(batch, dict):
-        return {key: _pinned(value) for key, value in batch.items()}
-    return batch.pin_memory() if isinstance(batch, torch.Tensor) else batch
-
-
-def _data_loader(dataset, workers: int, pin_memory: bool, persistent: bool = False):
-    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_passthrough,
-                                       pin_memory=pin_memory and torch.cuda.is_available(),
-                                       persistent_workers=persistent, worker_init_fn=_init_worker)
-
-
-def _iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -> Iterator:
-    """``(batch, meta)`` from ``source`` (a dataset, or a DataLoader over one); pinned if asked (and CUDA is).
-
-    A wait of over ``timeout`` seconds (0: none) for the next batch stops the workers (``workers``), or, reading in
-    this process, the read and its ``pipe:`` commands (``alarm``).
-    """
-    source = iter(source)
-    watch = register_workers(source, timeout)  # a failure names its worker; the run's end stops them all
-    waiting = watch.waiting if getattr(source, "_workers", None) else functools.partial(bounded, timeout)
-    pin = pin_memory and torch.cuda.is_available()
-    while True:
-        raise_pending()  # a worker that died while the batch before was used fails the run here
-        with waiting():
-            try:
-                item = next(source, None)
-            except Exception as exc:
-                dead = lost(source) if read_failed(exc) else None
-                if dead is None:
-                    raise
-                raise dead from exc
-        raise_pending()
-        if item is None:
-            return
-        batch, meta = item
-        if batch is not None:
-            batch = receive(batch, meta)
-            # the DataLoader's pin thread has pinned the patches already (pin_memory keeps those as they are)
-            batch = _pinned(batch) if pin else batch
-        yield batch, meta
 
 
 class TrainLoader:
@@ -199,7 +82,7 @@ class TrainLoader:
         self._receiver = None
         self._ring = None  # with 2+ workers: the batches' shared buffers, made before the workers start
         self._generation = 0
-        self.stats = _Counter("--train-data", 0).stats
+        self.stats = EpochCounter("--train-data", 0).stats
 
     def describe(self) -> str:
         """One line: what an epoch holds, against the data set (passes, the last step's remainder)."""
@@ -296,13 +179,13 @@ class TrainLoader:
     def _source(self) -> Iterator:
         if self.cfg.workers == 0:
             stream = self.stream()
-            return _iterate(stream, self.pin_memory, Receiver(stream.flags), self.cfg.timeout)
+            return iterate(stream, self.pin_memory, Receiver(stream.flags), self.cfg.timeout)
         if self._workers is None:  # built once: its workers read the shared position at each epoch's start
             self._ring = self._ring or self._make_ring()
             stream = self.stream(self._position, self._ring)
-            self._workers = _data_loader(stream, self.cfg.workers, self.pin_memory, persistent=True)
+            self._workers = torch_loader(stream, self.cfg.workers, self.pin_memory, persistent=True)
             self._receiver = Receiver(stream.flags)
-        return _iterate(self._workers, self.pin_memory, self._receiver, self.cfg.timeout)
+        return iterate(self._workers, self.pin_memory, self._receiver, self.cfg.timeout)
 
     def close(self) -> None:
         """Stop the persistent workers (also done when the process exits); the next epoch starts new ones."""
@@ -325,7 +208,7 @@ class TrainLoader:
         return (target, buffer) if target is not None else (None, None)
 
     def iter_meta(self) -> Iterator[Tuple[Dict, Dict]]:
-        counter = _Counter(f"--train-data (epoch {self.epoch}, rank {self.cfg.rank})", self.epoch)
+        counter = EpochCounter(f"--train-data (epoch {self.epoch}, rank {self.cfg.rank})", self.epoch)
         self.stats = counter.stats
         specs, parts_per_batch = self.schedule(), max(1, self.cfg.workers)
         self._generation += 1
@@ -372,7 +255,7 @@ class ValLoader:
         self.workers = check_int(workers, "--workers", 0)
         self.tokenizer, self.pin_memory = tokenizer, pin_memory
         self._num_samples = None
-        self.stats = _Counter("--val-data").stats
+        self.stats = EpochCounter("--val-data").stats
 
     @property
     def num_samples(self) -> int:
@@ -385,11 +268,11 @@ class ValLoader:
         return self._num_samples
 
     def __iter__(self) -> Iterator[Dict]:
-        counter = _Counter("--val-data")
+        counter = EpochCounter("--val-data")
         self.stats = counter.stats
         stream = ValStream(self.urls, self.seq_len, self.batch_size, self.patch_size, self.tokenizer, self.decode)
         count = min(self.workers, len(self.urls))
-        source = _iterate(_data_loader(stream, count, self.pin_memory) if count else stream, self.pin_memory,
+        source = iterate(torch_loader(stream, count, self.pin_memory) if count else stream, self.pin_memory,
                           Receiver(), self.timeout)
         try:
             for batch, meta in source:

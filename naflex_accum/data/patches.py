@@ -18,8 +18,13 @@ import functools
 import math
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from PIL import Image
 from timm.data.naflex_transforms import get_image_size_for_seq, patchify_image
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.v2.functional import resize_image
 
 from .assemble import Pool
 
@@ -33,8 +38,6 @@ def image_to_patches(img: torch.Tensor, seq_len: int, patch_size: int = 16,
 
     ``flatten=False`` gives patches ``[N, P, P, C]`` instead of ``[N, P*P*C]``.
     """
-    import torch.nn.functional as F
-
     _, (h, w) = get_image_size_for_seq(tuple(img.shape[-2:]), patch_size, seq_len)
     img = F.interpolate(img[None], size=(h, w), mode="bicubic", antialias=True, align_corners=False)[0]
     img = (img.clamp(0, 1) - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
@@ -69,9 +72,6 @@ def resize_for_seq(img: torch.Tensor, seq_len: int, patch_size: int = 16) -> tor
     torchvision's uint8 bicubic with antialiasing, Pillow's filter to within rounding
     (channels-last input, as ``data.images.decode_rgb`` gives, takes its fastest path).
     """
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms.v2.functional import resize_image
-
     h, w = size_for_seq(tuple(img.shape[-2:]), patch_size, seq_len)
     if (h, w) == tuple(img.shape[-2:]):
         return img
@@ -117,8 +117,6 @@ def patchify_into(row, img: torch.Tensor, patch_size: int, index: int = 0) -> Tu
     """Image ``img`` (uint8 ``[C, h, w]``) as patches into ``row``, a numpy uint8 ``[seq_len, P*P*C]`` row of a
     batch, zero-padded: ``(patch count, grid width)``. The data pipeline calls it right after each image's
     resize, while the image is still in the cache (gathered later, per batch, it costs 3x more at seq 576)."""
-    import numpy as np
-
     pixels = img.numpy()  # numpy from here: its calls cost a fraction of torch's on these small arrays
     c, h, w = pixels.shape
     p = patch_size
@@ -203,9 +201,6 @@ def pil_to_patches(img, seq_len: int, patch_size: int = 16, flatten: bool = True
     The Pillow reference for the pipeline's torchvision path (full decode, no reduced
     DCT scale). Normalise a batch of them with ``collate_uint8_patches``.
     """
-    import numpy as np
-    from PIL import Image
-
     h, w = size_for_seq((img.height, img.width), patch_size, seq_len)
     if img.mode in ("P", "PA") and "transparency" in img.info:
         img = img.convert("RGBA")  # what PIL asks for; converting a palette with transparency straight to RGB warns

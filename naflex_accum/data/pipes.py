@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Optional
 
+from webdataset.gopen import gopen
+
 EXIT_GRACE = 2.0  # seconds a command whose output was read whole has to exit before it is killed, status unread
 # Statuses of a command whose output was read whole that are no error: ended by SIGPIPE (the reader stops at the
 # archive's end marker, before the padding after it), as such, or as sh reports it (128 + 13), as gopen's
@@ -158,7 +160,6 @@ def open_shard(url: str):
     """A readable stream of the shard at ``url``: a ``PipeStream`` for ``pipe:``, else webdataset's gopen."""
     if url.startswith("pipe:"):
         return PipeStream(url)
-    from webdataset.gopen import gopen
     return gopen(url)
 
 

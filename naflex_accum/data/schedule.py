@@ -16,6 +16,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence
 
+from timm.data.naflex_dataset import calculate_naflex_batch_size
+
 from ..errors import UsageError, check_int
 
 
@@ -80,8 +82,6 @@ def normalized_probs(seq_lens: Sequence[int], probs: Optional[Sequence[float]]) 
 
 def batch_size_for(seq_len: int, max_tokens: int, divisor: int) -> int:
     """``max_tokens // seq_len`` rounded down to a multiple of ``divisor`` (timm's rule); a UsageError when below 1."""
-    from timm.data.naflex_dataset import calculate_naflex_batch_size
-
     size = calculate_naflex_batch_size(max_tokens, seq_len, divisor=divisor, rounding="floor")
     if size * seq_len > max_tokens or size % divisor:  # timm returns 1, not 0, when nothing fits
         need = seq_len * divisor

@@ -12,6 +12,8 @@ from typing import List, Optional, Sequence, Union
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+from braceexpand import braceexpand
+
 from ..errors import UsageError
 
 _GLOB_CHARS = set("*?[")
@@ -53,8 +55,6 @@ def expand_urls(spec: str, flag: str = "--train-data") -> List[str]:
 
 def expand_sources(spec: str, flag: str = "--train-data") -> List[List[str]]:
     """``expand_urls``, one list per ``::``-joined source."""
-    from braceexpand import braceexpand
-
     if not isinstance(spec, str) or not spec.strip():
         raise UsageError(f"{flag} is empty; give webdataset shards, e.g. /data/shard-{{000000..000099}}.tar "
                          f"(several sources joined by '::')")

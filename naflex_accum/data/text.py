@@ -11,6 +11,7 @@ caption, or any other tokenizer, goes through the tokenizer itself.
 """
 from typing import Callable, Dict, List, Sequence, Tuple
 
+import numpy as np
 import torch
 
 CACHE_LIMIT = 1 << 17  # words; the cache is cleared when full (real captions reuse a small vocabulary)
@@ -34,7 +35,7 @@ class BatchTokenizer:
     def _fast_path(self) -> bool:
         if self._fast is None:
             try:
-                from open_clip import tokenizer as oc
+                from open_clip import tokenizer as oc  # only when a tokenizer is open_clip's
                 tok = self.tokenizer
                 self._fast = (type(tok) is oc.SimpleTokenizer and tok.reduction_fn is None
                               and tok.clean_fn is getattr(oc, "_clean_lower", None))
@@ -66,7 +67,6 @@ class BatchTokenizer:
         if not self._fast_path():
             out = self.tokenizer(list(captions))
             return (out if isinstance(out, torch.Tensor) else torch.as_tensor(out)).long()
-        import numpy as np
 
         tok = self.tokenizer
         length, sot, eot = tok.context_length, tok.sot_token_id, tok.eot_token_id

@@ -16,13 +16,13 @@ a patched one. Mode: ``$NAFLEX_ACCUM_MODE``, as for the runner.
 
 
 def pytest_configure(config):
-    import naflex_accum
+    import naflex_accum  # in the hook: see above
 
     naflex_accum.install()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    from naflex_accum.upstream.patch import describe, installed_step
+    from naflex_accum.upstream.patch import describe, installed_step  # in the hook: see above
 
     step = installed_step()
     if step is None:
@@ -33,6 +33,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_unconfigure(config):
-    from naflex_accum.upstream.patch import uninstall
+    from naflex_accum.upstream.patch import uninstall  # in the hook: see above
 
     uninstall()

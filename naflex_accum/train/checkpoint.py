@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import List, Optional, Set, Tuple
 
 import torch
+from safetensors.torch import load_file
 
 from ..data.workers import held as held_worker_failures
 from ..errors import UsageError, WriteError
@@ -170,7 +171,6 @@ def _format(path: Path, flag: str) -> str:
 
 
 def _load_safetensors(path: Path, flag: str) -> dict:
-    from safetensors.torch import load_file
     try:
         return load_file(str(path), device="cpu")
     except Exception as exc:

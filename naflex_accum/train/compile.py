@@ -17,6 +17,8 @@ so no length silently falls back to eager. Under DDP with
 import logging
 
 import torch
+import torch._dynamo.config as dynamo_config
+import torch._inductor.config as inductor_config
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("model",)
@@ -24,9 +26,6 @@ STRATEGIES = ("model",)
 
 def compile_model(model, args, distributed: bool = False):
     """``torch.compile(model)`` with the run's backend and mode; the limits set for its sequence lengths."""
-    import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
-
     if distributed and args.grad_checkpointing:
         dynamo_config.optimize_ddp = False
     inductor_config.fallback_random = True  # eager's RNG stream: the same masks compiled and eager

@@ -8,14 +8,13 @@ from typing import Dict
 
 import torch
 import torch.nn.functional as F
+from open_clip_train.train import get_clip_metrics
 
 from ..tasks import unwrap
 
 
 def retrieval_metrics(image_features, text_features, logit_scale) -> Dict[str, float]:
     """open_clip's ``get_clip_metrics`` (ranks, R@1/5/10), plus its ``clip_val_loss``."""
-    from open_clip_train.train import get_clip_metrics
-
     metrics = {k: float(v) for k, v in get_clip_metrics(image_features, text_features, logit_scale).items()}
     logits, truth = logit_scale * image_features @ text_features.t(), torch.arange(len(image_features))
     metrics["clip_val_loss"] = ((F.cross_entropy(logits, truth) + F.cross_entropy(logits.t(), truth)) / 2).item()

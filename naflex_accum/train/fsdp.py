@@ -17,6 +17,10 @@ import logging
 from typing import Dict, Optional
 
 import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 log = logging.getLogger(__name__)
 LOGIT_KEYS = ("logit_scale", "logit_bias")
@@ -35,9 +39,6 @@ def _unit_modules(model):
 
 def shard(model, world, args):
     """Shard ``model`` in place (blocks, then the root); returns it. The logit parameters become 1-dim."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     for name in LOGIT_KEYS:  # fully_shard cannot shard a 0-dim parameter
         value = getattr(model, name, None)
         if isinstance(value, torch.nn.Parameter) and value.dim() == 0:
@@ -70,8 +71,6 @@ def model_shapes(model) -> Dict[str, torch.Size]:
 
 def full_model_state(model) -> Optional[Dict[str, torch.Tensor]]:
     """A sharded model's whole state on the CPU, in the plain form (on rank 0; None elsewhere)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return _plain(state) if state else None
 
@@ -82,15 +81,12 @@ def load_model_state(model, state: Dict[str, torch.Tensor]) -> None:
     if not sharded(model):
         model.load_state_dict(state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
 def full_optimizer_state(model, optimizer) -> Optional[Dict]:
     """The optimizer's state keyed by parameter name, on the CPU (rank 0; None elsewhere when sharded)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     state = get_optimizer_state_dict(model, optimizer,
                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not state:
@@ -124,8 +120,6 @@ def keyed_by_index(state: Dict) -> bool:
 
 def load_optimizer_state(model, optimizer, state: Dict) -> None:
     """Load an optimizer state saved by a run with or without ``--fsdp`` (by name or by index)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     if keyed_by_index(state):
         state = by_name(model, optimizer, state)
     shapes = {n: p.shape for n, p in model.named_parameters()}

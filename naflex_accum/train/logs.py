@@ -14,6 +14,8 @@ import sys
 from typing import Dict, Optional
 
 from open_clip_train.train import AverageMeter
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
 
 from ..errors import WriteError
 
@@ -69,7 +71,6 @@ class RunLogger:
         self.is_master = is_master
         self.writer, self.wandb = None, wandb_run
         if is_master and tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
             try:
                 self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
             except OSError as exc:
@@ -86,7 +87,6 @@ class RunLogger:
         for key, (total, count, last) in (meters or {}).items():
             self.loss_meters.setdefault(key, Meter()).add(total, count, last)
         if self.is_master and sys.stdout.isatty():
-            from tqdm import tqdm
             self.bar = tqdm(total=num_steps, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
 
     def step(self, epoch: int, step_in_epoch: int, num_steps: int, global_step: int, info: dict,

@@ -32,7 +32,15 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description="Train a NaFlex CLIP/SigLIP with exact gradient accumulation.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default=None, help="YAML run preset (configs/runs/NAME.yaml or a path); flags win")
-    d = p.add_argument_group("data")
+    _add_data_args(p.add_argument_group("data"))
+    _add_model_args(p.add_argument_group("model and loss"))
+    _add_optim_args(p.add_argument_group("optimisation"))
+    _add_run_args(p.add_argument_group("run folder and logging"))
+    finetune.add_args(p)
+    return p
+
+
+def _add_data_args(d) -> None:
     d.add_argument("--train-data", default=None, help="webdataset shards: braceexpand patterns joined by '::'")
     d.add_argument("--train-num-samples", type=int, default=None,
                    help="samples per epoch (default: the data set's, from sizes.json or a count; more than the "
@@ -62,14 +70,18 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     d.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096)
     d.add_argument("--naflex-batch-divisor", type=int, default=8)
     d.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=[16])
-    m = p.add_argument_group("model and loss")
+
+
+def _add_model_args(m) -> None:
     m.add_argument("--model", default="naflex-tiny", help="configs/models/NAME.json or a JSON path")
     m.add_argument("--siglip", action=argparse.BooleanOptionalAction, default=None,
                    help="sigmoid loss (SigLipLoss) and a logit bias (default: what the model config has: "
                         "SigLIP when it sets init_logit_bias)")
     m.add_argument("--local-loss", action="store_true", help="ClipLoss: local logits against global features")
     m.add_argument("--gather-with-grad", action="store_true", help="ClipLoss: all-gather with gradient")
-    o = p.add_argument_group("optimisation")
+
+
+def _add_optim_args(o) -> None:
     o.add_argument("--batch-size", type=int, default=64, help="reference batch size for --naflex-loss-scale")
     o.add_argument("--accum-freq", type=int, default=1, help="microbatches per optimizer step")
     o.add_argument("--accum-mode", choices=ACCUM_MODES, default=DEFAULT_MODE,
@@ -90,7 +102,9 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
                         "open_clip's bf16, fp16, pure_bf16, pure_fp16 (weights cast to 16 bits) are refused")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    r = p.add_argument_group("run folder and logging")
+
+
+def _add_run_args(r) -> None:
     r.add_argument("--logs", "--logs-dir", dest="logs", default="./logs",
                    help="parent folder of run folders (--logs-dir: the same, for torchrun, which rejects --logs)")
     r.add_argument("--name", default=None, help="run folder name (default: date, model, lr, batch size)")
@@ -125,8 +139,6 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     r.add_argument("--wandb-project-name", default="open-clip", help="the wandb project (open_clip's default)")
     r.add_argument("--wandb-notes", default="", help="notes for the wandb run")
     r.add_argument("--log-every-n-steps", type=int, default=100)
-    finetune.add_args(p)
-    return p
 
 
 def _resolve_config(path: str) -> Path:

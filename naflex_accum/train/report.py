@@ -35,7 +35,7 @@ def check_wandb(value: Optional[str]) -> None:
     if "wandb" not in sinks(value):
         return
     try:
-        import wandb  # noqa: F401
+        import wandb  # noqa: F401  (optional: installed only by users who log to wandb)
     except ImportError:
         raise UsageError(f"--report-to {value}: wandb is not installed; install it with {INSTALL}, or "
                          f"drop wandb from --report-to") from None
@@ -48,7 +48,7 @@ def run_id(name: str) -> str:
 
 def open_wandb(args, root):
     """Rank 0's wandb run for run folder ``root`` (a new one, or the folder's own on ``--resume``)."""
-    import wandb
+    import wandb  # optional: installed only by users who log to wandb
 
     folder = root / "wandb"
     folder.mkdir(exist_ok=True)

@@ -18,6 +18,7 @@ import logging
 from typing import Optional
 
 import torch
+from timm.models import clean_state_dict
 
 from ..accum.rng import RngState
 from ..data.order import Segment, check_slots
@@ -84,8 +85,6 @@ def mid_epoch_payload(state, model, args, world, rng_states, states=(None, None)
 
 def check_fits(model, state_dict: dict, where: str, model_name: str) -> dict:
     """``state_dict`` without DDP's ``module.`` prefix, or a UsageError naming the first mismatches."""
-    from timm.models import clean_state_dict
-
     theirs = clean_state_dict(state_dict)
     ours = model.state_dict()
     theirs = fsdp.fit_shapes(theirs, {k: v.shape for k, v in ours.items()})  # 0-dim or 1-dim logit parameters alike

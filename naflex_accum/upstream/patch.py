@@ -21,6 +21,7 @@ import logging
 import sys
 import threading
 import warnings
+from importlib.metadata import version
 from typing import Callable, Optional
 
 from ..accum.modes import get_step, make_step, resolve_mode
@@ -62,12 +63,11 @@ def open_clip_version() -> str:
     """
     if "open_clip" in sys.modules:
         try:
-            from open_clip.version import __version__
+            from open_clip.version import __version__  # only if imported: the one on sys.path is the one used
             return __version__
         except Exception:
             pass
     try:
-        from importlib.metadata import version
         return version("open_clip_torch")
     except Exception:  # not installed as a distribution
         return "(not installed)"

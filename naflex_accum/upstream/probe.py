@@ -15,6 +15,7 @@ import contextlib
 import inspect
 import textwrap
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -77,7 +78,6 @@ def _model_problem(out, n: int) -> Optional[str]:
         return f"the model returned {describe_value(out)}, not a dict of outputs"
     if "logit_scale" not in out:
         return f"the model's outputs ({', '.join(out)}) have no 'logit_scale'"
-    import torch
 
     for key, value in out.items():
         if key not in LOGIT_KEYS and not (isinstance(value, torch.Tensor) and value.dim() >= 1
@@ -88,10 +88,8 @@ def _model_problem(out, n: int) -> Optional[str]:
 
 def _upstream_args(**overrides):
     """Upstream's own defaults (its ``parse_args([])``) with ``overrides``: the args its step may read."""
-    from types import SimpleNamespace
-
     try:
-        from open_clip_train.params import parse_args
+        from open_clip_train.params import parse_args  # upstream's trainer: only when a step needs its args
         with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
             args = parse_args([])
     except (Exception, SystemExit):  # any failure: the step reads only the few set below

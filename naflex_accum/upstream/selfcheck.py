@@ -17,6 +17,8 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
+import torch.distributed as dist
+
 from ..errors import SelfCheckFailed, UsageError
 from . import faults, tiny_tasks
 from .audit import VERIFY_SPLITS, audit_row, describe_row, isolated_cpu
@@ -51,7 +53,7 @@ def enabled() -> bool:
 
 
 def _through_module():
-    import open_clip_train.train as module
+    import open_clip_train.train as module  # upstream's trainer: imported only when the runner checks it
 
     def step(task, batch, accum_state, optimizer, scaler, autocast, args):
         return module._train_step_eager(task, batch, accum_state, optimizer, scaler, autocast, args)
@@ -97,8 +99,6 @@ def run(args, original) -> Outcome:
 
 def agree(outcome: Outcome) -> List[Outcome]:
     """Every rank's outcome, gathered over the process group upstream set up (just this one without)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [outcome]
     gathered = [None] * dist.get_world_size()
@@ -135,15 +135,13 @@ def fail_line(reason: str) -> str:
 def _task_class(args):
     kind, _ = tiny_tasks.run_kind(args)
     try:
-        import open_clip.task as tasks
+        import open_clip.task as tasks  # upstream main's alone (open_clip_torch 3.3.0 has none)
         return getattr(tasks, tiny_tasks.TASK_CLASSES[kind or "clip"])
     except (ImportError, AttributeError):
         return None
 
 
 def _stop(reason: str):
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # every rank stops here, after the same verdict
     raise SelfCheckFailed(fail_line(reason))

@@ -19,6 +19,9 @@ import os
 import tempfile
 from typing import Dict
 
+import open_clip
+import torch
+
 from ..models import fill_decoder_projection
 
 LOSSES = ("clip", "siglip", "coca")
@@ -81,7 +84,7 @@ DESCRIPTION = {
 def available() -> bool:
     """Whether upstream main's task classes are importable (open_clip 4.x dev)."""
     try:
-        import open_clip.task as tasks
+        import open_clip.task as tasks  # upstream main's alone (open_clip_torch 3.3.0 has none)
     except ImportError:
         return False
     return all(hasattr(tasks, name) for name in TASK_CLASSES.values())
@@ -126,16 +129,12 @@ def write_model_dir(folder: str, loss: str, stochastic: bool = False,
         json.dump({"model_cfg": model_config(loss, stochastic, vocab_size)}, f)
     name = f"local-dir:{folder}"
     if weights:
-        import torch
-
         torch.manual_seed(0)
         torch.save(_build(name, loss).state_dict(), os.path.join(folder, "open_clip_pytorch_model.bin"))
     return name
 
 
 def _build(name: str, loss: str, **extra):
-    import open_clip
-
     with _quiet("open_clip"):
         model = open_clip.create_model(name, output_dict=True, device="cpu", **extra)
     if loss == "coca":
@@ -154,8 +153,7 @@ def create_model(loss: str, stochastic: bool):
 
 def task_factory(loss: str, stochastic: bool):
     """``audit_case``'s ``make_task`` for upstream: (loss, stochastic) -> a seeded upstream task."""
-    import open_clip.task as tasks
-    import torch
+    import open_clip.task as tasks  # upstream main's alone (open_clip_torch 3.3.0 has none)
 
     torch.manual_seed(0)
     return getattr(tasks, TASK_CLASSES[loss])(create_model(loss, stochastic))
@@ -170,8 +168,6 @@ def _audio_model(name: str) -> bool:
     if not name or name.startswith("hf-hub:"):
         return False
     try:
-        import open_clip
-
         return "audio_cfg" in (open_clip.get_model_config(name) or {})
     except Exception:  # an unknown name: upstream's main reports it
         return False
@@ -195,8 +191,7 @@ def run_kind(args):
 def run_task_factory(args, kind: str):
     """``make_task(loss, stochastic)``: a seeded tiny model of ``kind`` in the task upstream's ``create_task``
     builds from this run's ``args`` (one process, rank 0: the tiny task gathers nothing)."""
-    import torch
-    from open_clip import create_task
+    from open_clip import create_task  # upstream main's alone
 
     local = copy.copy(args)
     local.rank, local.world_size, local.distributed, local.distill = 0, 1, False, False

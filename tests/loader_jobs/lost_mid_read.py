@@ -15,7 +15,7 @@ import os
 import signal
 import time
 
-from naflex_accum.data import loader, workers
+from naflex_accum.data import delivery, workers
 
 
 class FailingRead:
@@ -39,7 +39,7 @@ class FailingRead:
 def read(what: str, kill: bool, error: Exception) -> None:
     source = FailingRead(kill, error)
     try:
-        next(loader._iterate(source, False, receive=None))
+        next(delivery.iterate(source, False, receive=None))
         print(f"{what}: nothing raised")
     except Exception as exc:
         print(f"{what}: raised {type(exc).__name__}: {exc}")
