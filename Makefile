@@ -4,13 +4,17 @@ PY := .venv/bin/python
 # many tests start 2-4 processes of their own. TEST_JOBS=0 runs them all in this one process.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
-.PHONY: setup test demo table clean-venv
+.PHONY: setup test test-fast demo table clean-venv
 
 setup:
 	@bash scripts/setup.sh
 
 test: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+
+# The unit tier (tests/unit: one process each, no subprocess or loader worker), before every commit.
+test-fast: setup
+	$(PY) -m pytest -q tests/unit
 
 demo: setup
 	.venv/bin/naflex-accum demo

@@ -8,7 +8,7 @@ Run it through ``benchmarks/gpu_check.sh`` (which installs the kit's wheels wher
 
 Sections, each a subprocess with its own time limit (the full mode fits 8 minutes; a section that runs
 out is reported as such, with what it finished):
-  tests     tests/test_cuda.py, tests/test_longrun_cuda.py and the pinned-loader tests (skipped on the CPU);
+  tests     tests/integration/test_cuda.py, tests/integration/test_longrun_cuda.py and the pinned-loader tests (skipped on the CPU);
   accum     benchmarks/gpu_accum.py: upstream's towers, bf16, our steps against upstream's real step;
   trainers  naflex-S-16 on demo shards, bf16, --accum-freq 2, 4 workers: ``naflex-accum train`` and
             upstream's trainer through ``python -m naflex_accum.openclip``, the same flags; samples/s and
@@ -32,9 +32,9 @@ import upstream_snapshot
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / ".gpu-kit"
 SNAPSHOT = upstream_snapshot.SNAPSHOT
-TESTS = ["tests/test_cuda.py", "tests/test_longrun_cuda.py",
-         "tests/test_data_resume.py::test_persistent_pinned_workers_follow_set_epoch",
-         "tests/test_data_resume.py::test_pinned_batches_reach_the_gpu_without_a_sync"]
+TESTS = ["tests/integration/test_cuda.py", "tests/integration/test_longrun_cuda.py",
+         "tests/integration/test_data_resume.py::test_persistent_pinned_workers_follow_set_epoch",
+         "tests/integration/test_data_resume.py::test_pinned_batches_reach_the_gpu_without_a_sync"]
 # seconds per section: full mode (8 minutes with the set-up), smoke mode
 LIMITS = {"full": dict(tests=130, accum=190, data=20, trainer=50), "smoke": dict(tests=120, accum=150, data=60,
                                                                                   trainer=90)}

@@ -13,10 +13,10 @@ if "NAFLEX_ACCUM_CACHE" not in os.environ:
     os.environ["NAFLEX_ACCUM_CACHE"] = tempfile.mkdtemp(prefix="naflex-accum-test-cache-")
 
 
-# Fixtures that put a stand-in upstream step on open_clip_train.train and restore it.
-from upstream_stand_in import stand_in, upstream_train  # noqa: E402,F401
 # The pinned upstream open_clip main snapshots, extracted once per run, and tiny demo shards for its trainer.
 from upstream_real import demo_shards, pinned, upstream_src  # noqa: E402,F401
+# Fixtures that put a stand-in upstream step on open_clip_train.train and restore it.
+from upstream_stand_in import stand_in, upstream_train  # noqa: E402,F401
 
 
 @pytest.fixture

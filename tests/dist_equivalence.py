@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 from naflex_accum import cached_loss_step, replay_step
-from naflex_accum.upstream.audit import accumulated_grads, compare, full_batch_grads, random_window, window_spec
-from naflex_accum.models import create_coca_model, create_model, load_config
 from naflex_accum.accum.scales import window_loss_scale
+from naflex_accum.models import create_coca_model, create_model, load_config
 from naflex_accum.tasks import create_task
 from naflex_accum.testing.bugs import bug_step
+from naflex_accum.upstream.audit import accumulated_grads, compare, full_batch_grads, random_window, window_spec
 
 CASES = {  # wrap -> [(loss, loss options, split)]
     "ddp": [("clip", {}, (1, 2)),

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from naflex_accum.accum.contract import REPORT
-from naflex_accum.upstream.probe import Probe
 from naflex_accum.testing.bugs import upstream_style_step
+from naflex_accum.upstream.probe import Probe
 
 MODULE = "open_clip_train.train"
 NAME = "_train_step_eager"

@@ -9,9 +9,9 @@ in place of the step the patch installs; the others get the fixed step.
 import os
 import sys
 
-from naflex_accum.upstream import patch
 from naflex_accum.openclip import main
 from naflex_accum.testing.bugs import bug_step
+from naflex_accum.upstream import patch
 
 broken = {int(r) for r in os.environ.get("BROKEN_RANKS", "").split(",") if r.strip()}
 if int(os.environ.get("RANK", "0")) in broken:

@@ -36,8 +36,8 @@ def _closing(accum_state, args) -> bool:
 def emulate_step_fixes(train, fixes):
     """Wrap upstream's step so that it closes each window with ``fixes`` in effect."""
     from naflex_accum.accum.scales import window_loss_scale
-    from naflex_accum.tasks import unwrap
     from naflex_accum.accum.window import LOGIT_KEYS, is_naflex_batch
+    from naflex_accum.tasks import unwrap
 
     original, scale_of = train._train_step_eager, train.get_naflex_loss_scale
 

@@ -124,12 +124,14 @@ def fix_sample_order():
 
 
 def main():
-    import naflex_accum
     import open_clip_train.train as train
 
+    import naflex_accum
+
     fix_sample_order()
-    from naflex_accum.accum.modes import ACCUM_MODES, get_step
     from open_clip_train.precision import get_autocast
+
+    from naflex_accum.accum.modes import ACCUM_MODES, get_step
 
     upstream_step = train._train_step_eager
     runs = {}

@@ -11,6 +11,7 @@ import torch
 
 def main():
     import open_clip_train.train as train
+
     from naflex_accum.upstream.probe import probe
 
     torch.set_num_threads(2)

@@ -8,8 +8,8 @@ import io
 import json
 
 from naflex_accum import cli
-from naflex_accum.commands.verify import LOSSES
 from naflex_accum.accum.modes import ACCUM_MODES
+from naflex_accum.commands.verify import LOSSES
 
 UPSTREAM_STEP = "open_clip_train.train:_train_step_eager"
 

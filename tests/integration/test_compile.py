@@ -1,0 +1,149 @@
+"""``--torchcompile``: compiled runs against eager ones, recompiles counted, masks under compile, DDP.
+
+Runs in this process (dynamo's counters are read back); the model has patch dropout, so a compiled
+replay that drew other masks than its caching pass would show. Compiling costs tens of seconds a
+run on 2 cores the first time (Inductor caches its kernels on disk after that).
+"""
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from longrun_common import SUBPROCESS_ENV, dropout_model, make_shards, run_argv, train_in_process, weights
+
+SEQ_LENS = ("16", "36", "64")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("compile")
+    return folder, make_shards(folder), dropout_model(folder)
+
+
+def argv(setup, name, *extra):
+    folder, shards, model = setup
+    out = run_argv(shards, model, folder / "logs", name, "--lr", "1e-4", *extra, epochs=2, workers=0)
+    at = out.index("--naflex-seq-lens")
+    return out[:at + 1] + list(SEQ_LENS) + out[at + 2:]
+
+
+def frames_per_epoch(monkeypatch):
+    """Frames dynamo compiles in each epoch of the next run."""
+    from torch._dynamo.utils import counters
+
+    from naflex_accum.train import main
+
+    per_epoch, real = [], main.train_one_epoch
+
+    def counted(*args, **kwargs):
+        before = counters["frames"]["total"]
+        real(*args, **kwargs)
+        per_epoch.append(counters["frames"]["total"] - before)
+    monkeypatch.setattr(main, "train_one_epoch", counted)
+    return per_epoch
+
+
+def max_diff(a, b):
+    """Largest weight difference, the attention key biases left out: their true gradient is exactly 0 (a
+    softmax does not see a constant added to every key), and AdamW turns the round-off there, which
+    compiled and eager kernels make differently, into steps of the learning rate's size."""
+    assert a.keys() == b.keys()
+    out = 0.0
+    for k in a:
+        x, y = a[k], b[k]
+        if k.endswith("attn.in_proj_bias"):
+            width = x.numel() // 3
+            x, y = torch.cat((x[:width], x[2 * width:])), torch.cat((y[:width], y[2 * width:]))
+        out = max(out, float((x - y).abs().max()))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["cached-loss", "replay"])
+def test_compiled_runs_match_eager_and_compile_nothing_after_the_first_epoch(setup, monkeypatch, mode):
+    folder = setup[0]
+    train_in_process(argv(setup, f"eager-{mode}", "--accum-mode", mode))
+    torch._dynamo.reset()
+    per_epoch = frames_per_epoch(monkeypatch)
+    train_in_process(argv(setup, f"compiled-{mode}", "--accum-mode", mode, "--torchcompile"))
+    eager, compiled = (weights(folder / f"logs/{n}-{mode}/checkpoints/epoch_2.pt") for n in ("eager", "compiled"))
+    assert max_diff(eager, compiled) < 1e-5
+    assert max_diff(eager, weights(folder / f"logs/eager-{mode}/checkpoints/epoch_1.pt")) > 1e-4  # it trained
+    # three sequence lengths: a graph for the first, a dynamic one the others reuse; none in epoch 2
+    assert per_epoch[0] > 0 and per_epoch[1] == 0, per_epoch
+
+
+def test_three_sequence_lengths_compile_no_more_than_twice_one(setup, monkeypatch, tmp_path):
+    folder, shards, model = setup
+    one = run_argv(shards, model, folder / "logs", "one-length", "--torchcompile", epochs=1, workers=0)
+    torch._dynamo.reset()
+    per_epoch = frames_per_epoch(monkeypatch)
+    train_in_process(one)
+    torch._dynamo.reset()
+    train_in_process(argv(setup, "three-lengths", "--torchcompile"))
+    assert per_epoch[1] <= 2 * per_epoch[0], per_epoch  # not one compile per length and batch size
+
+
+def test_compiled_accumulation_equals_a_compiled_full_batch_backward_with_the_same_masks():
+    from naflex_accum import cached_loss_step, replay_step
+    from naflex_accum.accum.scales import window_loss_scale
+    from naflex_accum.models import create_model
+    from naflex_accum.tasks import create_task
+    from naflex_accum.train.compile import compile_model
+    from naflex_accum.upstream.audit import accumulated_grads, compare, full_batch_grads, random_window
+
+    torch._dynamo.reset()
+    options = SimpleNamespace(naflex_seq_lens=[16, 36], naflex_patch_sizes=[16], torchcompile_backend=None,
+                              torchcompile_mode=None, grad_checkpointing=False)
+    torch.manual_seed(0)
+    model = create_model("naflex-tiny", patch_dropout=0.5)
+    task = create_task(model)
+    task.trainable_module = compile_model(model, options)
+    task.train()
+    split, seeds = (3, 5), [11, 12]
+    batches = random_window(split, seed=1, seq_lens=[16, 36])
+    # compiled and eager draw the same masks from the same RNG state (Inductor's fallback_random)
+    torch.manual_seed(7)
+    eager_out = model(**batches[0])["image_features"]
+    torch.manual_seed(7)
+    compiled_out = task.trainable_module(**batches[0])["image_features"]
+    assert torch.allclose(eager_out, compiled_out, atol=1e-5)
+    reference, _ = full_batch_grads(task, batches, seeds, chunked=True)
+    args = SimpleNamespace(accum_freq=2, batch_size=4, naflex_loss_scale="linear", grad_clip_norm=None)
+    scale = window_loss_scale(list(split), 4, "linear")
+    for step in (cached_loss_step, replay_step):
+        grads, _, _ = accumulated_grads(step, task, batches, seeds, args)
+        err, worst, ratios = compare(grads, reference, scale)
+        assert err <= 1e-5 and all(abs(r - 1) <= 1e-5 for r in ratios.values()), (step, err, worst, ratios)
+
+
+def test_compiled_with_grad_checkpointing_matches_eager(setup):
+    folder = setup[0]
+    torch._dynamo.reset()
+    train_in_process(argv(setup, "compiled-gc", "--torchcompile", "--grad-checkpointing"))
+    eager = weights(folder / "logs/eager-cached-loss/checkpoints/epoch_2.pt")
+    assert max_diff(eager, weights(folder / "logs/compiled-gc/checkpoints/epoch_2.pt")) < 1e-5
+
+
+def test_compiled_under_ddp_matches_eager_ddp(setup):
+    folder, shards, model = setup
+    out = {}
+    for name, extra in (("ddp-eager", []), ("ddp-compiled", ["--torchcompile", "--grad-checkpointing"])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "naflex_accum.train", "--logs-dir", str(folder / "logs"), "--name", name,
+               *run_argv(shards, model, None, name, "--lr", "1e-4", *extra, epochs=1, workers=0)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=SUBPROCESS_ENV)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = weights(folder / "logs" / name / "checkpoints/epoch_1.pt")
+    assert max_diff(out["ddp-eager"], out["ddp-compiled"]) < 1e-5
+
+
+def test_compile_with_fsdp_or_another_strategy_is_one_line(capsys):
+    from naflex_accum.cli import main
+
+    base = ["--train-data", "x.tar", "--device", "cpu", "--torchcompile"]
+    for flags, needle in ((["--fsdp"], "--fsdp with --torchcompile is not offered"),
+                          (["--torchcompile-strategy", "task"], "valid values here: 'model'")):
+        assert main(["train", *base, *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and needle in err, err

@@ -1,0 +1,232 @@
+"""The step's contract with upstream's training loop, bad inputs, RNG, sync, scaler and DDP."""
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from naflex_accum import CachedLossStep, ReplayStep, cached_loss_step, replay_step
+from naflex_accum.testing.older_order import older as older_order
+from naflex_accum.upstream.audit import (GradProbe, audit_case, compare, concat_batches, full_batch_grads, named_params,
+                                         random_window)
+
+
+def make_args(**kw):
+    base = dict(accum_freq=2, batch_size=4, naflex_loss_scale="linear", grad_clip_norm=None)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+class CountingModule(torch.nn.Module):
+    """Wraps a model; counts forwards and records gradient-sync switches (FSDP2's method)."""
+
+    def __init__(self, model, fsdp_like=False):
+        super().__init__()
+        self.module = model
+        self.forwards = 0
+        self.sync_calls = []
+        if fsdp_like:
+            self.set_requires_gradient_sync = self.sync_calls.append
+
+    def forward(self, **kw):
+        self.forwards += 1
+        return self.module(**kw)
+
+
+@pytest.fixture
+def counted(make_task):
+    def build(loss="clip", fsdp_like=False):
+        task = make_task(loss, False)
+        task.trainable_module = CountingModule(task.trainable_module, fsdp_like)
+        return task
+    return build
+
+
+@pytest.fixture(params=["replay", "cached-loss"], autouse=True)
+def step(request, monkeypatch):
+    """Every contract test runs for both accumulation modes."""
+    fn = {"replay": replay_step, "cached-loss": cached_loss_step}[request.param]
+    monkeypatch.setitem(STEP, "fn", fn)
+    return fn
+
+
+STEP = {"fn": cached_loss_step}
+
+
+def run_window(task, batches, args, optimizer=None, scaler=None):
+    optimizer = optimizer or GradProbe(named_params(task))
+    state = ([], {}) if args.accum_freq > 1 else None
+    results = [STEP["fn"](task, b, state, optimizer, scaler, nullcontext, args) for b in batches]
+    return results, optimizer
+
+
+def test_returns_none_while_filling_then_contract(counted):
+    task = counted()
+    batches = random_window((3, 1, 2))
+    results, probe = run_window(task, batches, make_args(accum_freq=3))
+    assert results[0] is None and results[1] is None
+    losses, report, step_batch_size, new_state = results[2]
+    assert step_batch_size == 6 and new_state == ([], {})
+    assert set(report) == {"logit_scale"} and "contrastive_loss" in losses
+    assert probe.steps == 1
+    assert task.trainable_module.forwards == 5  # k caching forwards + k-1 replays: the last is not replayed
+    ref_grads, ref_loss = full_batch_grads(task, batches, [0, 0, 0], chunked=False)
+    assert losses["loss"].item() == pytest.approx(ref_loss, rel=1e-5)  # unscaled window loss
+    assert not losses["loss"].requires_grad
+
+
+def test_accum_freq_one_uses_its_own_scale(make_task):
+    task = make_task("siglip", False)
+    (batch,) = random_window((3,))
+    ref, _ = full_batch_grads(task, [batch], [0], chunked=False)
+    results, probe = run_window(task, [batch], make_args(accum_freq=1, batch_size=4))
+    losses, report, n, state = results[0]
+    assert n == 3 and state is None and set(report) == {"logit_scale", "logit_bias"}
+    err, worst, ratios = compare(probe.grads, ref, 0.75)
+    assert err <= 1e-5, worst
+    assert ratios == {"logit_scale": pytest.approx(1.0, rel=1e-5), "logit_bias": pytest.approx(1.0, rel=1e-5)}
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(batch_size=0), "positive --batch-size.*0"),
+    (dict(batch_size=-3), "positive --batch-size.*-3"),
+    (dict(batch_size=2.5), "positive --batch-size.*2.5"),
+    (dict(batch_size=True), "positive --batch-size.*True"),
+    (dict(batch_size=None), "positive --batch-size.*None"),
+    (dict(naflex_loss_scale="cubic"), "--naflex-loss-scale 'cubic'"),
+    (dict(accum_freq=0), "--accum-freq"),
+    (dict(accum_freq=1, batch_size=0), "positive --batch-size"),
+])
+def test_bad_input_raises_before_any_forward(counted, kw, match):
+    task = counted()
+    with pytest.raises(ValueError, match=match):
+        run_window(task, random_window((1, 2)), make_args(**kw))
+    assert task.trainable_module.forwards == 0
+
+
+def test_mixed_window_raises_before_the_dense_forward(counted):
+    task = counted()
+    naflex, other = random_window((2, 2))
+    dense = {"image": torch.rand(2, 3, 32, 32), "text": other["text"]}
+    with pytest.raises(ValueError, match=r"NaFlex at positions \[0\], dense at positions \[1\]"):
+        run_window(task, [naflex, dense], make_args())
+    assert task.trainable_module.forwards == 1
+
+
+def test_empty_microbatch_is_refused(counted):
+    task = counted()
+    (b,) = random_window((2,))
+    empty = {"image": {k: v[:0] for k, v in b["image"].items()}, "text": b["text"][:0]}
+    with pytest.raises(ValueError, match="position 1 of the window has size 0"):
+        run_window(task, [b, empty], make_args())
+    assert task.trainable_module.forwards == 1  # the last microbatch is refused before its forward
+
+
+def test_older_order_replays_every_microbatch(counted, step):
+    task = counted()
+    mode = {"replay_step": ReplayStep, "cached_loss_step": CachedLossStep}[step.__name__]
+    older = older_order(mode)()
+    state = ([], {})
+    for batch in random_window((3, 1, 2)):
+        older(task, batch, state, GradProbe(named_params(task)), None, nullcontext, make_args(accum_freq=3))
+    assert task.trainable_module.forwards == 6  # k caching forwards + k replays
+
+
+def test_dense_window_is_unscaled(make_task):
+    task = make_task("clip", False)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"image": torch.rand(n, 3, 32, 32, generator=g), "text": torch.randint(1, 400, (n, 32), generator=g)}
+               for n in (1, 3)]
+    ref, _ = full_batch_grads(task, [concat_batches(batches)], [0], chunked=False)
+    _, probe = run_window(task, batches, make_args(batch_size=0))  # dense runs never read --batch-size
+    err, worst, ratios = compare(probe.grads, ref, 1.0)
+    assert err <= 1e-5, worst
+    assert ratios["logit_scale"] == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("checkpointing", (False, True), ids=("plain", "grad-checkpointing"))
+def test_rng_stream_outside_is_undisturbed(make_task, checkpointing):
+    task = make_task("clip", True)
+    task.trainable_module.set_grad_checkpointing(checkpointing)  # its recomputation must not draw either
+    batches = random_window((2, 1))
+    torch.manual_seed(7)
+    run_window(task, batches, make_args())
+    after_step = torch.rand(4)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for b in batches:
+            task.trainable_module(**b)  # what the caching passes alone draw
+    torch.testing.assert_close(after_step, torch.rand(4), rtol=0, atol=0)
+
+
+def test_sync_off_for_all_but_last_replay(counted):
+    task = counted(fsdp_like=True)
+    run_window(task, random_window((1, 2, 1)), make_args(accum_freq=3))
+    assert task.trainable_module.sync_calls == [False, True, False, True]
+
+
+def test_clip_once_per_window_and_clamp_after_step(counted, monkeypatch):
+    task = counted()
+    calls = []
+    real_clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: calls.append(1) or real_clip(*a, **k))
+    with torch.no_grad():
+        task.trainable_module.module.logit_scale.fill_(9.0)
+    run_window(task, random_window((2, 2)), make_args(grad_clip_norm=1.0),
+               optimizer=torch.optim.SGD(task.parameters(), lr=0.0))
+    assert calls == [1]
+    assert task.trainable_module.module.logit_scale.item() == pytest.approx(4.6052, abs=1e-4)
+
+
+def _grad_scaler():
+    try:
+        return torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        pytest.skip(f"torch.amp.GradScaler('cpu') unavailable here: {exc}")
+
+
+@pytest.mark.parametrize("split", ((1, 2), (5, 2, 1)), ids=str)
+def test_grad_scaler_path(make_task, step, split):
+    r = audit_case(step, make_task, "siglip", "linear", split, scaler=_grad_scaler())
+    assert r.passed, r
+
+
+def test_grad_scaler_unscales_before_clipping(make_task):
+    scaler = _grad_scaler()
+    task = make_task("clip", False)
+    seen = []
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def spy(params, max_norm, **kw):
+        params = list(params)
+        seen.append(torch.cat([p.grad.flatten() for p in params if p.grad is not None]).norm().item())
+        return real_clip(params, max_norm, **kw)
+
+    batches = random_window((1, 2))
+    ref, _ = full_batch_grads(task, batches, [0, 0], chunked=False)
+    ref_norm = torch.cat([g.flatten() for g in ref.values()]).norm().item() * 3 / 8
+    torch.nn.utils.clip_grad_norm_ = spy
+    try:
+        run_window(task, batches, make_args(grad_clip_norm=1e9), scaler=scaler)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = real_clip
+    assert seen == [pytest.approx(ref_norm, rel=1e-4)]
+
+
+def test_ddp_world_size_one(tmp_path, make_task, step):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        def ddp_task(loss, stochastic):
+            task = make_task(loss, stochastic)
+            task.trainable_module = DDP(task.trainable_module)
+            return task
+        for split in ((1, 2), (2, 1, 3)):
+            r = audit_case(step, ddp_task, "clip", "linear", split)
+            assert r.passed, r
+            r = audit_case(step, ddp_task, "siglip", "sqrt", split, stochastic=True)
+            assert r.passed, r
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,101 @@
+"""train/checkpoint.py, train/lineage.py, train/integrity.py: safe reading, branches of a rolled-back run, checksums."""
+
+import os
+
+import pytest
+import torch
+
+from naflex_accum.errors import UsageError
+from naflex_accum.train.checkpoint import load_payload, newest_loadable
+
+
+def test_load_payload_refuses_code_and_garbage(tmp_path):
+    import argparse
+
+    torch.save({"epoch": 1, "args": argparse.Namespace(lr=1)}, tmp_path / "code.pt")
+    with pytest.raises(UsageError, match=r"--pretrained .*code.pt: refused: opening it would import and run "
+                                         r"argparse.Namespace"):
+        load_payload(tmp_path / "code.pt", flag="--pretrained")
+    (tmp_path / "junk.pt").write_bytes(b"PK\x03\x04" + b"\x00" * 100)  # a zip's start, then garbage
+    with pytest.raises(UsageError, match="--resume .*junk.pt: cannot read this file"):
+        load_payload(tmp_path / "junk.pt")
+    from safetensors.torch import save_file
+    save_file({"w": torch.ones(2)}, str(tmp_path / "w.safetensors"))
+    assert torch.equal(load_payload(tmp_path / "w.safetensors", flag="--pretrained")["w"], torch.ones(2))
+
+
+def test_branches_never_overwrite_an_abandoned_folder(tmp_path):
+    from naflex_accum.train.lineage import start_branch
+
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "abandoned-1").mkdir(parents=True)
+    (ckpts / "abandoned-1" / "epoch_2.pt").write_bytes(b"kept")
+    for name, step in (("epoch_1.pt", 4), ("epoch_2.pt", 8), ("step_6.pt", 6), ("step_2.pt", 2)):
+        torch.save({"epoch": step // 4, "global_step": step, "step_in_epoch": 0 if "epoch" in name else step % 4 or 4,
+                    "state_dict": {}, "optimizer": {}}, ckpts / name)
+    branch = start_branch(ckpts, ckpts / "epoch_1.pt", (4, 1, 0))
+    dest = ckpts / "abandoned-2"
+    assert branch.dest == dest and [p.name for p in branch.moved] == ["epoch_2.pt", "step_6.pt"]
+    assert sorted(p.name for p in dest.iterdir()) == ["epoch_2.pt", "step_6.pt"] and branch.linked is None
+    assert (ckpts / "abandoned-1" / "epoch_2.pt").read_bytes() == b"kept"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["abandoned-1", "abandoned-2", "epoch_1.pt", "step_2.pt"]
+    assert start_branch(ckpts, ckpts / "epoch_1.pt", (4, 1, 0)).moved == []  # the furthest already: nothing moves
+    # back to the abandoned line's step 6: the current line goes aside whole (its step_2.pt would be pruned by
+    # the new line's saves otherwise), and step 6 is linked in as the top level's start, so latest continues it
+    branch = start_branch(ckpts, dest / "step_6.pt", (6, 1, 2))
+    assert branch.dest == ckpts / "abandoned-3" and [p.name for p in branch.moved] == ["epoch_1.pt", "step_2.pt"]
+    assert branch.linked == ckpts / "step_6.pt" and os.path.samefile(ckpts / "step_6.pt", dest / "step_6.pt")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["abandoned-1", "abandoned-2", "abandoned-3", "step_6.pt"]
+    assert newest_loadable(ckpts)[0] == ckpts / "step_6.pt"
+
+
+def test_a_branch_from_another_file_system_copies_the_checkpoint_in(tmp_path, monkeypatch):
+    import errno
+
+    from naflex_accum.train import lineage
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+    monkeypatch.setattr(lineage.os, "link", cross_device)
+    (tmp_path / "other").mkdir()
+    torch.save({"epoch": 2, "global_step": 8, "state_dict": {"w": torch.ones(3)}, "optimizer": {}},
+               tmp_path / "other/epoch_2.pt")
+    ckpts = tmp_path / "run/checkpoints"
+    ckpts.mkdir(parents=True)
+    branch = lineage.start_branch(ckpts, tmp_path / "other/epoch_2.pt", (8, 2, 0))
+    assert branch.moved == [] and branch.linked == ckpts / "epoch_2.pt"
+    assert not os.path.samefile(ckpts / "epoch_2.pt", tmp_path / "other/epoch_2.pt")
+    assert (ckpts / "epoch_2.pt").read_bytes() == (tmp_path / "other/epoch_2.pt").read_bytes()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch_2.pt"]  # no temporary file left
+
+
+def flip_values(path, key: str, count: int = 16) -> None:
+    """Flip a mantissa bit in ``count`` values of tensor ``key`` inside the file's raw data (the zip still loads)."""
+    tensor = torch.load(path, weights_only=True)["state_dict"][key]
+    raw = bytearray(path.read_bytes())
+    at = raw.find(tensor.contiguous().numpy().tobytes())
+    assert at > 0
+    for i in range(count):
+        raw[at + 4 * i + 1] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_checkpoints_without_a_checksum_still_load(tmp_path):
+    from naflex_accum.train.checkpoint import load_checkpoint
+
+    torch.save({"epoch": 1, "state_dict": {"w": torch.ones(2)}, "optimizer": {}}, tmp_path / "old.pt")
+    assert torch.equal(load_checkpoint(tmp_path / "old.pt")["state_dict"]["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--pretrained"])
+def test_a_text_file_is_not_a_checkpoint(tmp_path, flag):
+    (tmp_path / "notes.pt").write_text("hello world, these are my notes\n")
+    with pytest.raises(UsageError, match=rf"{flag} .*notes.pt: not a torch checkpoint or safetensors file "
+                                         rf"\(it starts with 'hello world"):
+        load_payload(tmp_path / "notes.pt", flag=flag)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(UsageError, match=rf"{flag} .*empty.pt: not a torch checkpoint or safetensors file "
+                                         r"\(it is empty\)"):
+        load_payload(tmp_path / "empty.pt", flag=flag)
+
+
