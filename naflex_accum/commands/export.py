@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+import torch
 from open_clip.timm_model import TimmModel
 from safetensors.torch import save_file
 from timm.models import clean_state_dict, save_for_hf
@@ -61,7 +62,10 @@ def export(checkpoint, folder, model_name: Optional[str] = None) -> List[str]:
     source = "--model"
     if model_name is None:
         source, model_name = run_folder_model(Path(checkpoint))
-    state_dict = clean_state_dict(payload["state_dict"])
+    weights = payload["state_dict"]
+    if not isinstance(weights, dict) or not weights or not all(torch.is_tensor(v) for v in weights.values()):
+        raise UsageError(f"CHECKPOINT {checkpoint}: its state_dict holds no tensors")
+    state_dict = clean_state_dict(weights)
     try:
         cfg = model_config(model_name, siglip="logit_bias" in state_dict)
     except ValueError as exc:

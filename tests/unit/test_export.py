@@ -136,9 +136,12 @@ def _bad_inputs(tmp_path):
     garbage, other = tmp_path / "garbage.json", tmp_path / "other.json"
     garbage.write_text("{oops")
     other.write_text('{"lr": 0.1}')
+    empty = tmp_path / "empty.pt"
+    torch.save({"epoch": 1, "state_dict": {"a": 1}, "optimizer": {}}, empty)
     return {
         "missing": ([str(tmp_path / "nope.pt"), str(tmp_path / "o1")], "no such file"),
         "not a checkpoint": ([str(text), str(tmp_path / "o2")], "not a torch checkpoint"),
+        "no tensors": ([str(empty), str(tmp_path / "o7"), "--model", "naflex-tiny"], "holds no tensors"),
         "DIR not empty": ([str(path), str(full)], "is not empty"),
         "DIR a file": ([str(path), str(text)], "is not a folder"),
         "another model": ([str(path), str(tmp_path / "o3"), "--model", "naflex-S-16"], "does not fit"),
@@ -149,7 +152,8 @@ def _bad_inputs(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing", "not a checkpoint", "DIR not empty", "DIR a file", "another model",
-                                  "unknown model", "JSON garbage", "JSON not a model"])
+                                  "unknown model", "JSON garbage", "JSON not a model",
+                                  "no tensors"])
 def test_bad_inputs_are_one_line_exit_2_and_touch_nothing(tmp_path, capsys, case):
     argv, said = _bad_inputs(tmp_path)[case]
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
