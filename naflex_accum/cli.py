@@ -19,6 +19,7 @@ COMMANDS = {
     "train": ("train", "train a NaFlex CLIP/SigLIP on webdataset shards (open_clip flag names)"),
     "make-demo-data": ("make_demo_data", "write synthetic image-caption webdataset shards"),
     "openclip": ("runner", "run upstream open_clip main's trainer with the fixed step installed"),
+    "export": ("export", "write a checkpoint's model for open_clip (local-dir:) and its image tower for timm"),
     "verify": ("verify", "audit split invariance of the step training would use, on this install"),
     "table": ("table", "print the full split-invariance table (docs/equivalence.md)"),
 }

@@ -9,7 +9,9 @@ and ``text=tokens`` it returns open_clip's output dict (``image_features``,
 
 timm has no NaFlexVit small enough for CPU tests, so ``register_timm_models()``
 adds a few named sizes to timm's registry; it runs only when called (by
-``create_model`` here), never at import.
+``create_model`` here, or ``register()``), never at import. ``register()`` is the
+one step before plain open_clip or timm builds these models (an exported model,
+a checkpoint): the timm sizes, and the model configs under open_clip's names.
 """
 import copy
 import dataclasses
@@ -18,6 +20,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
+import open_clip
 import torch.nn as nn
 from open_clip.coca_model import CoCa
 from open_clip.model import CLIP
@@ -69,12 +72,21 @@ def _build_naflexvit(name: str, pretrained: bool, cfg: NaFlexVitCfg, out_indices
                                 feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs)
 
 
+def register() -> None:
+    """Let plain open_clip and timm build these models: timm's registry gets the NaFlexVit sizes above,
+    open_clip's the model configs by name (``open_clip.create_model("naflex-B-16")``). Idempotent."""
+    register_timm_models()
+    if not set(list_models()) <= set(open_clip.list_models()):
+        open_clip.add_model_config(CONFIG_DIR)
+
+
 def list_models():
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
 def load_config(name_or_path: str) -> dict:
-    """A model config by name (``configs/models/NAME.json``) or by JSON path."""
+    """A model config by name (``configs/models/NAME.json``) or by JSON path (a model config, or an
+    ``open_clip_config.json`` of a ``local-dir:`` model, whose ``model_cfg`` it is)."""
     path = Path(name_or_path)
     if path.suffix != ".json":
         path = CONFIG_DIR / f"{name_or_path}.json"
@@ -82,8 +94,15 @@ def load_config(name_or_path: str) -> dict:
         raise ValueError(
             f"--model {name_or_path!r}: no such model config; known models are "
             f"{', '.join(list_models())}, or pass a path to an open_clip-style JSON config.")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model {name_or_path!r}: cannot read it as JSON ({exc})") from None
+    cfg = cfg.get("model_cfg", cfg) if isinstance(cfg, dict) else cfg
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("vision_cfg"), dict):
+        raise ValueError(f"--model {name_or_path!r}: not an open_clip model config (no vision_cfg)")
+    return cfg
 
 
 def set_text_dropout(model: nn.Module, p: float) -> None:
@@ -115,6 +134,19 @@ def create_model(
     (timm NaFlexVit's blocks and open_clip's text transformer).
     """
     register_timm_models()
+    model = CLIP(**model_config(name_or_config, siglip=siglip, patch_dropout=patch_dropout, drop_path=drop_path),
+                 output_dict=True)
+    if text_dropout:
+        set_text_dropout(model, text_dropout)
+    if grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    return model
+
+
+def model_config(name_or_config="naflex-tiny", *, siglip: Optional[bool] = None,
+                 patch_dropout: Optional[float] = None, drop_path: Optional[float] = None) -> dict:
+    """The open_clip ``model_cfg`` ``create_model`` builds ``CLIP`` from (a copy; see there for the options):
+    the same dict builds the same model in open_clip's own factory."""
     cfg = copy.deepcopy(name_or_config if isinstance(name_or_config, dict) else load_config(name_or_config))
     if patch_dropout is not None:
         cfg["vision_cfg"]["patch_dropout"] = patch_dropout
@@ -126,13 +158,8 @@ def create_model(
     elif siglip is False:
         cfg.pop("init_logit_bias", None)
         cfg.pop("init_logit_scale", None)
-    cfg.pop("custom_text", None)
-    model = CLIP(**cfg, output_dict=True)
-    if text_dropout:
-        set_text_dropout(model, text_dropout)
-    if grad_checkpointing:
-        model.set_grad_checkpointing(True)
-    return model
+    cfg.pop("custom_text", None)  # the text tower is CLIP's own
+    return cfg
 
 
 # A CoCa small enough for CPU tests: dense 32x32 images (open_clip's CoCa needs its own ViT's patch

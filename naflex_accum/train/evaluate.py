@@ -2,7 +2,9 @@
 
 Invariant: evaluation runs in eval mode under no_grad on the unwrapped model
 (no DDP hooks, no collectives), sees every held-out sample once, and leaves
-the model in train mode afterwards.
+the model in train mode afterwards. Its metrics are open_clip's, keys and order
+(``get_clip_metrics``'s, ``clip_val_loss``, then the integers ``epoch`` and
+``num_samples``), as ``results.jsonl`` records them.
 """
 from typing import Dict
 
@@ -22,7 +24,7 @@ def retrieval_metrics(image_features, text_features, logit_scale) -> Dict[str, f
 
 
 @torch.no_grad()
-def evaluate(task, val_loader, device, autocast) -> Dict[str, float]:
+def evaluate(task, val_loader, device, autocast, epoch: int) -> Dict[str, float]:
     model = unwrap(task.trainable_module)
     was_training = model.training
     model.eval()
@@ -40,5 +42,5 @@ def evaluate(task, val_loader, device, autocast) -> Dict[str, float]:
     if not images:
         return {}
     metrics = retrieval_metrics(torch.cat(images), torch.cat(texts), scale)
-    metrics["num_samples"] = float(sum(len(x) for x in images))
+    metrics.update(epoch=epoch, num_samples=sum(len(x) for x in images))
     return metrics

@@ -8,7 +8,16 @@ losses of every step since the previous check, summed on the device), so the
 epoch averages cover every step without reading the device at each one; a file
 that cannot be written (full disk, no permission) stops the run with one line
 naming it and the OS error, not a logging traceback.
+
+Tensorboard gets upstream open_clip main's scalars, under its names, meanings and
+steps, and this trainer's few extras: ``train/*`` at the optimizer step's index
+(global step - 1, upstream's ``step``), ``train/<term>_epoch_avg`` at the
+epoch's last step, ``val/*`` at the epoch. wandb gets the same names at the same
+steps, but ``val/*`` at the epoch's last step (a wandb step never goes back).
+Each evaluation appends one JSON line of its metrics to
+``checkpoints/results.jsonl``, as open_clip; nothing there is rewritten.
 """
+import json
 import logging
 import sys
 from typing import Dict, Optional
@@ -66,10 +75,12 @@ class Meter(AverageMeter):
 class RunLogger:
     """Step and eval metrics to the console, out.log and (optionally) tensorboard and a wandb run."""
 
-    def __init__(self, logger: logging.Logger, is_master: bool, tensorboard_dir=None, wandb_run=None):
+    def __init__(self, logger: logging.Logger, is_master: bool, tensorboard_dir=None, wandb_run=None,
+                 results_file=None):
         self.log = logger
         self.is_master = is_master
         self.writer, self.wandb = None, wandb_run
+        self.results_file = results_file if is_master else None
         if is_master and tensorboard_dir is not None:
             try:
                 self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
@@ -79,11 +90,12 @@ class RunLogger:
         self.first_loss: Optional[float] = None
         self.epoch_losses: list = []  # average training loss of each finished epoch
         self.evals: list = []  # (epoch, metrics) of each evaluation
+        self.epoch = 0
         self.bar = None
 
     def start_epoch(self, epoch: int, num_steps: int, meters: Optional[dict] = None):
         """``meters``: what ``meter_state`` saved inside this epoch (a resume), so its averages cover it whole."""
-        self.loss_meters = {}
+        self.epoch, self.loss_meters = epoch, {}
         for key, (total, count, last) in (meters or {}).items():
             self.loss_meters.setdefault(key, Meter()).add(total, count, last)
         if self.is_master and sys.stdout.isatty():
@@ -112,26 +124,23 @@ class RunLogger:
             self.bar.set_postfix(loss=f"{info['losses']['loss']:.4f}", lr=f"{info['lr']:.2e}")
         if not console:
             return
-        scalars = {"loss": info["losses"]["loss"], "lr": info["lr"], "logit_scale": info["logit_scale"],
-                   "window_scale": info["window_scale"], "window_samples": info["samples_global"] / info["steps"],
-                   "samples_per_second": sps, "image_tokens_per_second": tps, "batch_time": batch_time}
-        if info.get("logit_bias") is not None:
-            scalars["logit_bias"] = info["logit_bias"]
-        self._scalars("train", scalars, global_step)
+        self._scalars("train", train_scalars(info, elapsed), global_step - 1)
         self._console_line(epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps)
 
     def meter_state(self) -> dict:
         """``{term: [sum, count, last]}`` of the epoch's loss meters so far (rank 0's; {} elsewhere)."""
         return {key: [m.sum, m.count, m.val] for key, m in self.loss_meters.items()}
 
-    def _scalars(self, prefix: str, scalars: dict, global_step: int):
-        if self.wandb is not None:  # the same names and steps as tensorboard's
-            self.wandb.log({f"{prefix}/{key}": value for key, value in scalars.items()}, step=global_step)
+    def _scalars(self, prefix: str, scalars: dict, step: int, wandb_step: Optional[int] = None):
+        """``prefix/name`` scalars at ``step``; in wandb at ``wandb_step`` when given."""
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{key}": value for key, value in scalars.items()},
+                           step=step if wandb_step is None else wandb_step)
         if self.writer is None:
             return
         try:
             for key, value in scalars.items():
-                self.writer.add_scalar(f"{prefix}/{key}", value, global_step)
+                self.writer.add_scalar(f"{prefix}/{key}", value, step)
         except OSError as exc:
             raise WriteError(self.writer.log_dir, exc) from None
 
@@ -145,12 +154,15 @@ class RunLogger:
             f"Data (t): {info['data_time']:.3f} Batch (t): {batch_time:.3f}, {sps:#g}/s, {tps:#g} tok/s "
             f"LR: {info['lr']:5f} Logit Scale: {info['logit_scale']:.3f} {losses}")
 
-    def end_epoch(self, complete: bool = True):
-        """The epoch's averages (``complete``), or nothing for an epoch left by a stop request."""
+    def end_epoch(self, global_step: int = 0, complete: bool = True):
+        """The epoch's averages (``complete``; the epoch ended at ``global_step``), or nothing for an epoch left
+        by a stop request."""
         if self.is_master and complete and "loss" in self.loss_meters:
             self.epoch_losses.append(self.loss_meters["loss"].avg)
             summary = "  ".join(f"Avg {k.capitalize()}: {m.avg:#.5g}" for k, m in self.loss_meters.items())
-            self.log.info(f"End epoch | {summary}")
+            self.log.info(f"End epoch {self.epoch} | {summary}")
+            averages = {f"{k}_epoch_avg": m.avg for k, m in self.loss_meters.items()}
+            self._scalars("train", averages, max(global_step - 1, 0))
         self.loss_meters = {}
         if self.bar is not None:
             self.bar.close()
@@ -161,7 +173,17 @@ class RunLogger:
             return
         self.evals.append((epoch, dict(metrics)))
         self.log.info(f"Eval Epoch: {epoch} " + "\t".join(f"{k}: {v:.4f}" for k, v in metrics.items()))
-        self._scalars("val", metrics, global_step)
+        self._append_result(metrics)
+        self._scalars("val", metrics, epoch, wandb_step=max(global_step - 1, 0))
+
+    def _append_result(self, metrics: Dict[str, float]):
+        if self.results_file is None:
+            return
+        try:
+            with open(self.results_file, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        except OSError as exc:
+            raise WriteError(self.results_file, exc) from None
 
     def flush(self):
         """Tensorboard's pending events to disk (the watchdog's last act before it ends the process)."""
@@ -179,6 +201,23 @@ class RunLogger:
                 writer.close()
             except OSError as exc:
                 raise WriteError(writer.log_dir, exc) from None
+
+
+def train_scalars(info: dict, elapsed: float) -> dict:
+    """``train/*`` of one log: upstream open_clip main's names and meanings first (``data_time`` and
+    ``batch_time`` in seconds per optimizer step, global samples per second and this rank's, the logit
+    values, the learning rate, each loss term at the last step), then this trainer's own."""
+    steps = info["steps"]
+    scalars = {"data_time": info["data_time"], "batch_time": elapsed / steps,
+               "samples_per_second": info["samples_global"] / elapsed,
+               "samples_per_second_per_gpu": info["samples"] / elapsed,
+               "logit_scale": info["logit_scale"], "lr": info["lr"]}
+    if info.get("logit_bias") is not None:
+        scalars["logit_bias"] = info["logit_bias"]
+    scalars.update(info["losses"])
+    scalars.update(window_scale=info["window_scale"], window_samples=info["samples_global"] / steps,
+                   image_tokens_per_second=info["tokens_global"] / elapsed)
+    return scalars
 
 
 def write_params(path, args, log: Optional[logging.Logger] = None) -> None:

@@ -172,7 +172,7 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
             sizes, tokens, data_time = [], 0, 0.0
         end = time.time()
     state.step_in_epoch, state.rng_state = 0, None
-    loop.logger.end_epoch()
+    loop.logger.end_epoch(state.global_step)
 
 
 def after_step(state, loop: Loop, done: int, num_steps: int, lr, epoch_samples, samples_per_epoch):

@@ -158,11 +158,11 @@ def _evals(args, world, device, task, model, val_data, zero_shot, autocast, run_
     """``run_evals(epoch)``: rank 0 evaluates alone while the others wait on the store (not in a collective,
     which would time out on a long evaluation); every rank gets the metrics."""
     def on_rank0(evaluating, epoch: int) -> dict:
-        metrics = {}
-        if val_data is not None and due(epoch, args.val_frequency, args.epochs):
-            metrics.update(evaluate(evaluating, val_data, device, autocast))
+        metrics = {}  # zero-shot first, then retrieval: the key order of open_clip's evaluate (results.jsonl)
         if zero_shot is not None:
             metrics.update(zero_shot(evaluating, epoch, autocast))
+        if val_data is not None and due(epoch, args.val_frequency, args.epochs):
+            metrics.update(evaluate(evaluating, val_data, device, autocast, epoch))
         return metrics
 
     def run_evals(epoch: int) -> dict:
@@ -228,7 +228,7 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
     if world.peers is not None:
         world.peers.context = lambda: _after_failure(state, saver)
     run_logger = RunLogger(log, world.is_master, paths.tensorboard if "tensorboard" in sinks(args.report_to)
-                           else None, _wandb_run(args, world, paths))
+                           else None, _wandb_run(args, world, paths), results_file=paths.results)
     autocast, metrics, exit_code = get_autocast(args.precision, device.type), {}, 0
     if world.peers is not None:
         world.peers.flushers.append(run_logger.flush)

@@ -6,7 +6,8 @@ package installed is a one-line ``UsageError`` at flag parsing, before the run
 folder exists. The wandb run is rank 0's, named after the run folder, its id
 derived from the folder name alone, so ``--resume`` of the same folder logs
 into the same wandb run; its files go under ``logs/NAME/wandb``. Every scalar
-tensorboard gets, wandb gets too, under the same name and step (``RunLogger``).
+tensorboard gets, wandb gets too, under the same name and, but for ``val/*``,
+at the same step (``logs.RunLogger``).
 """
 import re
 from typing import FrozenSet, Optional

@@ -1,4 +1,5 @@
-"""The run folder, open_clip's layout: ``logs/NAME/{out.log, params.txt, tensorboard/, checkpoints/}``.
+"""The run folder, open_clip's layout: ``logs/NAME/{out.log, params.txt, tensorboard/, checkpoints/}``,
+``checkpoints/results.jsonl`` included.
 
 Invariants: one live process (rank 0 of one run) holds a folder at a time,
 through an exclusive POSIX lock (``fcntl.lockf``) on ``logs/NAME/.lock`` that
@@ -55,6 +56,11 @@ class RunPaths:
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
+
+    @property
+    def results(self) -> Path:
+        """Every evaluation's metrics, one JSON line each, appended (open_clip keeps it beside the checkpoints)."""
+        return self.checkpoints / "results.jsonl"
 
     def checkpoint(self, epoch: int) -> Path:
         return self.checkpoints / f"epoch_{epoch}.pt"

@@ -73,7 +73,7 @@ def test_two_process_training_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = list((tmp_path / "logs").iterdir())
     assert [r.name for r in runs] == ["ddp"]
-    assert sorted(p.name for p in (runs[0] / "checkpoints").iterdir()) == ["epoch_1.pt"]
+    assert sorted(p.name for p in (runs[0] / "checkpoints").iterdir()) == ["epoch_1.pt", "results.jsonl"]
     ckpt = torch.load(runs[0] / "checkpoints" / "epoch_1.pt", weights_only=False)
     assert ckpt["samples_seen"] == 64 and not any(k.startswith("module.") for k in ckpt["state_dict"])
     log = (runs[0] / "out.log").read_text()

@@ -1,0 +1,135 @@
+"""``naflex-accum export CHECKPOINT DIR``: a trained model as open_clip and timm load it.
+
+Invariants: DIR gets an open_clip ``local-dir:`` model (``open_clip_config.json``
+with the ``model_cfg`` the model was built from, and
+``open_clip_model.safetensors``) and, for a timm image tower, that tower alone
+in timm's own folder format (``timm/config.json``, ``timm/model.safetensors``:
+the ``visual.trunk.`` weights without the prefix); the weights written are
+the checkpoint's, loaded strictly into the model first, so a checkpoint that
+does not fit its model is refused instead of exported. A DDP, FSDP or
+``torch.compile`` checkpoint exports as a plain one (``module.`` and
+``_orig_mod.`` are dropped from its keys). The export is made in a hidden
+folder beside DIR and renamed into place, so a failed one leaves nothing; it
+never writes over anything: an existing non-empty DIR is refused. The model comes from ``--model``, else from
+the ``params.txt`` of the run folder holding CHECKPOINT. Every bad input is
+one line, exit 2.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+from open_clip.timm_model import TimmModel
+from safetensors.torch import save_file
+from timm.models import clean_state_dict, save_for_hf
+
+from ..data.patches import IMAGE_MEAN, IMAGE_STD
+from ..errors import OneLineParser, UsageError, WriteError
+from ..models import create_model, list_models, model_config
+from ..train.checkpoint import load_checkpoint
+from ..train.resume import check_fits
+
+CONFIG_NAME = "open_clip_config.json"  # what open_clip's local-dir: reads
+WEIGHTS_NAME = "open_clip_model.safetensors"  # the first name open_clip's local-dir: looks for
+TIMM_FOLDER = "timm"
+# The trainer's image statistics and resampling (data.patches), for open_clip's and timm's transforms.
+PREPROCESS = {"mean": list(IMAGE_MEAN), "std": list(IMAGE_STD), "interpolation": "bicubic"}
+LOADING = """\
+  import naflex_accum.models; naflex_accum.models.register()   # the one step first
+  open_clip.create_model_and_transforms('local-dir:{dir}')
+  timm.create_model('local-dir:{dir}/timm', pretrained=True)"""
+
+
+def main(argv, prog="naflex-accum export", ends_process=False) -> int:
+    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a training checkpoint (checkpoints/epoch_K.pt, ...)")
+    parser.add_argument("dir", metavar="DIR", help="output folder: new, or empty")
+    parser.add_argument("--model", default=None, help="the model's config name or JSON path (default: the run "
+                        "folder's params.txt)")
+    args = parser.parse_args(argv)
+    written = export(args.checkpoint, args.dir, args.model)
+    print(f"wrote {args.dir}: {', '.join(written)}")
+    print(LOADING.format(dir=args.dir))
+    return 0
+
+
+def export(checkpoint, folder, model_name: Optional[str] = None) -> List[str]:
+    """Write ``checkpoint``'s model into ``folder`` (see the module); returns the files written, relative."""
+    check_destination(Path(folder))
+    payload = load_checkpoint(checkpoint, flag="CHECKPOINT")
+    source = "--model"
+    if model_name is None:
+        source, model_name = run_folder_model(Path(checkpoint))
+    weights = payload["state_dict"]
+    if not isinstance(weights, dict) or not weights or not all(torch.is_tensor(v) for v in weights.values()):
+        raise UsageError(f"CHECKPOINT {checkpoint}: its state_dict holds no tensors")
+    state_dict = clean_state_dict(weights)
+    try:
+        cfg = model_config(model_name, siglip="logit_bias" in state_dict)
+    except ValueError as exc:
+        raise UsageError(f"{exc}" if source == "--model" else f"{source} names model {model_name!r}, which is not a "
+                         f"model config here; pass --model ({', '.join(list_models())}, or a JSON config)") from None
+    try:
+        model = create_model(cfg)
+    except (TypeError, KeyError, RuntimeError) as exc:  # keys CLIP does not take, a tower timm does not know
+        first = (str(exc).splitlines() or [""])[0]
+        raise UsageError(f"model {model_name!r}: open_clip cannot build it ({type(exc).__name__}: {first})") from None
+    # the prefixes DDP and torch.compile add go (timm's clean_state_dict), 1-dim logit parameters (FSDP) fit
+    model.load_state_dict(check_fits(model, state_dict, f"CHECKPOINT {checkpoint}", model_name))
+    return write(model.eval(), cfg, Path(folder))
+
+
+def check_destination(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"DIR {folder}: exists and is not a folder; choose a new DIR")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise UsageError(f"DIR {folder}: exists and is not empty; choose a new or empty DIR (nothing is "
+                         f"overwritten)")
+
+
+def run_folder_model(checkpoint: Path) -> Tuple[str, str]:
+    """``(params.txt, its model)`` of the run folder above ``checkpoint`` (``checkpoints/``, or a branch's
+    ``checkpoints/abandoned-N/``)."""
+    for folder in list(checkpoint.resolve().parents)[:3]:
+        params = folder / "params.txt"
+        if params.is_file():
+            for line in params.read_text(errors="replace").splitlines():
+                if line.startswith("model: "):
+                    return str(params), line[len("model: "):].strip()
+    raise UsageError(f"CHECKPOINT {checkpoint}: no run folder's params.txt above it names the model; pass --model "
+                     f"({', '.join(list_models())}, or a JSON config)")
+
+
+def write(model, cfg: dict, folder: Path) -> List[str]:
+    """The export, made in a hidden folder beside ``folder``, then renamed to it or, into an existing empty one,
+    its entries moved in (that folder stays: it may be someone's working directory)."""
+    target = Path(os.path.abspath(folder))
+    staging = target.parent / f".{target.name}.export-{os.getpid()}"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        write_files(model, cfg, staging)
+        written = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+        if target.is_dir():
+            for entry in sorted(staging.iterdir()):
+                os.rename(entry, target / entry.name)
+            staging.rmdir()
+        else:
+            os.rename(staging, target)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise WriteError(exc.filename or folder, exc) from None
+    return written
+
+
+def write_files(model, cfg: dict, folder: Path) -> None:
+    (folder / CONFIG_NAME).write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": PREPROCESS}, indent=2))
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(folder / WEIGHTS_NAME))
+    if isinstance(model.visual, TimmModel):
+        size = cfg["vision_cfg"].get("image_size", 224)
+        pretrained_cfg = dict(PREPROCESS, input_size=(3, size, size) if isinstance(size, int) else (3, *size))
+        save_for_hf(model.visual.trunk, str(folder / TIMM_FOLDER), model_config={"pretrained_cfg": pretrained_cfg},
+                    safe_serialization=True)
