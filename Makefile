@@ -4,12 +4,16 @@ PY := .venv/bin/python
 # many tests start 2-4 processes of their own. TEST_JOBS=0 runs them all in this one process.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
-.PHONY: setup test demo table clean-venv
+.PHONY: setup setup-test test demo table clean-venv
 
+# the runtime dependencies only (demo, table); setup-test adds the test extra
 setup:
 	@bash scripts/setup.sh
 
-test: setup
+setup-test:
+	@bash scripts/setup.sh test
+
+test: setup-test
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 demo: setup
