@@ -4,16 +4,20 @@ PY := .venv/bin/python
 # many tests start 2-4 processes of their own. TEST_JOBS=0 runs them all in this one process.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
-.PHONY: setup test test-fast demo table clean-venv
+.PHONY: setup setup-test test test-fast demo table clean-venv
 
+# the runtime dependencies only (demo, table); setup-test adds the test extra
 setup:
 	@bash scripts/setup.sh
 
-test: setup
+setup-test:
+	@bash scripts/setup.sh test
+
+test: setup-test
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 # The unit tier (tests/unit: one process each, no subprocess or loader worker), before every commit.
-test-fast: setup
+test-fast: setup-test
 	$(PY) -m pytest -q tests/unit
 
 demo: setup

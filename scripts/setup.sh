@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# Creates .venv (if needed) and installs naflex-accum with its test extra into it.
-# Re-runs the install only when pyproject.toml changed since the last one.
+# Creates .venv (if needed) and installs naflex-accum into it, editable:
+#   scripts/setup.sh        the package and its runtime dependencies (make demo, make table)
+#   scripts/setup.sh test   the same with the test extra (make test: pytest, upstream's needs, wandb, shellcheck)
+# Re-runs an install only when pyproject.toml changed since the last one of that kind.
 # TORCH_SPEC picks the torch build (default: the versions this project is tested with).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
-stamp="$VENV/.naflex-accum-installed"
+runtime_stamp="$VENV/.naflex-accum-installed"
+case "${1:-}" in
+  "") target="."; stamp="$runtime_stamp" ;;
+  test) target=".[test]"; stamp="$VENV/.naflex-accum-installed-test" ;;
+  *) echo "usage: scripts/setup.sh [test]" >&2; exit 2 ;;
+esac
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV with $($PYTHON --version 2>&1)"
   "$PYTHON" -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "setup: installing $TORCH_SPEC and naflex-accum[test] into $VENV (first time takes a few minutes)"
+  echo "setup: installing $TORCH_SPEC and naflex-accum${target#.} into $VENV (first time takes a few minutes)"
   # shellcheck disable=SC2086  # TORCH_SPEC is a list of requirement specifiers
   "$VENV/bin/python" -m pip install -q $TORCH_SPEC 2> >(grep -v "is ignored: it is neither" >&2)
-  "$VENV/bin/python" -m pip install -q -e ".[test]" 2> >(grep -v "is ignored: it is neither" >&2)
-  touch "$stamp"
+  "$VENV/bin/python" -m pip install -q -e "$target" 2> >(grep -v "is ignored: it is neither" >&2)
+  touch "$stamp" "$runtime_stamp"  # the test extra holds the runtime dependencies too
 fi

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..data.demo import write_demo_data
 from ..data.index import cache_dir
 from ..errors import OneLineParser
+from ..helptext import DefaultsFormatter
 from ..train.main import print_footer, train
 from ..train.zeroshot import load_class_list
 
@@ -74,15 +75,19 @@ def summarize(result: dict) -> None:
           f"{1 / n:.3f} / {min(5, n) / n:.3f}")
 
 
-def main(argv, prog="naflex-accum demo", ends_process=False) -> int:
-    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0],
-                                     epilog="Other arguments are passed to naflex-accum train and win over the preset.")
+def build_parser(prog="naflex-accum demo") -> OneLineParser:
+    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=DefaultsFormatter,
+                           epilog="Other arguments are passed to naflex-accum train and win over the preset.")
     parser.add_argument("--data-dir", type=Path, default=default_data_dir(), help="demo data cache folder")
     parser.add_argument("--num-samples", type=int, default=10000, help="training samples to generate")
     parser.add_argument("--val-samples", type=int, default=1000, help="held-out samples to generate")
-    parser.add_argument("--logs", default="./logs")
+    parser.add_argument("--logs", default="./logs", help="parent folder of the run folder")
     parser.add_argument("--name", default=None, help="run folder name (default: demo-<date>)")
-    args, train_flags = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv, prog="naflex-accum demo", ends_process=False) -> int:
+    args, train_flags = build_parser(prog).parse_known_args(argv)
 
     patterns = ensure_demo_data(args.data_dir, args.num_samples, args.val_samples)
     name = args.name or f"demo-{datetime.now().strftime('%Y_%m_%d-%H_%M_%S')}"

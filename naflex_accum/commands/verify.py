@@ -26,6 +26,7 @@ import torch
 from ..accum.modes import ACCUM_MODES, DEFAULT_MODE, ENV_VAR, get_step, resolve_mode
 from ..accum.scales import LOSS_SCALES
 from ..errors import OneLineParser, PatchError
+from ..helptext import DefaultsFormatter
 from ..upstream import tiny_tasks
 from ..upstream.audit import REFERENCE_BATCH_SIZE, VERIFY_SPLITS, audit_row, default_task_factory, format_table
 from ..upstream.faults import describe as describe_faults, diagnose
@@ -192,18 +193,24 @@ def render_json(target: Target, loss: str, version: str, results, seconds: float
                        "passed": all(r.passed for r in results), "seconds": round(seconds, 2), "rows": rows})
 
 
-def main(argv, prog="naflex-accum verify", ends_process=False) -> int:
-    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0])
+def build_parser(prog="naflex-accum verify") -> OneLineParser:
+    parser = OneLineParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=DefaultsFormatter)
     parser.add_argument("--loss", default="clip", choices=LOSSES,
-                        help="loss of the tiny model (default: clip); coca needs upstream open_clip main")
+                        help="loss of the tiny task: clip or siglip (NaFlex images), coca (dense images); each "
+                             "runs on open_clip_torch 3.3.0 and on upstream open_clip main")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--step", metavar="MODULE:FUNCTION", default=None,
                         help="audit this function (upstream's signature) instead, unpatched; e.g. "
-                             "open_clip_train.train:_train_step_eager shows upstream's bug")
+                             "open_clip_train.train:_train_step_eager shows upstream's bug (default: none: the step "
+                             "training would use)")
     parser.add_argument("--accum-mode", choices=ACCUM_MODES, default=None,
                         help=f"accumulation mode to audit (default: ${ENV_VAR}, else {DEFAULT_MODE}, what "
                              f"training uses)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv, prog="naflex-accum verify", ends_process=False) -> int:
+    args = build_parser(prog).parse_args(argv)
 
     torch.set_num_threads(1)
     target = choose_target(args.step, args.loss, args.accum_mode)

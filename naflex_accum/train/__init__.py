@@ -6,7 +6,8 @@ through the accumulation step (``naflex_accum.accum``). Modules by concern:
 - the run: ``main`` (build, train, evaluate, checkpoint), ``params`` (flags, presets), ``upstream_flags``
   (upstream's flags and what this trainer does with each), ``loop`` (one epoch), ``monitor`` (checks
   that do not wait for the device), ``lr``, ``finetune``, ``compile``, ``fsdp``, ``evaluate``,
-  ``zeroshot``, ``logs`` and ``report`` (console, ``out.log``, tensorboard, wandb);
+  ``zeroshot``, ``logs`` and ``report`` (console, ``out.log``, tensorboard, wandb), ``summary`` (the
+  lines a run ends with);
 - what is kept: ``rundir`` (the run folder), ``checkpoint`` and ``integrity`` (files, checksums),
   ``saver`` (when which checkpoint is written and kept), ``resume`` (state in and out), ``lineage``
   (branches after a rollback);

@@ -46,7 +46,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--text-pooler-own-group", dest="text_pooler_in_head", action="store_false",
                    help="no effect: open_clip's text tower has no readout pooler")
     f.add_argument("--force-patch-dropout", type=float, default=None, metavar="P",
-                   help="override the image tower's patch dropout (0 turns it off)")
+                   help="override the image tower's patch dropout (0 turns it off) (default: the model config's)")
     f.add_argument("--grad-checkpointing", action="store_true",
                    help="activation checkpointing in both towers (model.set_grad_checkpointing)")
     f.add_argument("--use-bn-sync", action="store_true", help="no effect: the models have no BatchNorm")

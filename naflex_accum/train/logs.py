@@ -3,7 +3,8 @@
 Invariants: every rank runs the same code, but only rank 0 writes (files,
 tensorboard events, console lines); the console line keeps open_clip's shape
 (``Train Epoch: E [n/N (p%)] ... LR: ... Logit Scale: ... Loss: v (avg)``) with
-image tokens/s added; the logger receives what the loop's checks gathered (the
+image tokens/s added, and on a terminal a progress bar that no console line ever
+shares a line with; the logger receives what the loop's checks gathered (the
 losses of every step since the previous check, summed on the device), so the
 epoch averages cover every step without reading the device at each one; a file
 that cannot be written (full disk, no permission) stops the run with one line
@@ -42,13 +43,24 @@ class _FileHandler(logging.FileHandler):
         super().handleError(record)
 
 
+class _ConsoleHandler(logging.StreamHandler):
+    """The console: each record through ``tqdm.write``, which takes the progress bar off its line first and
+    draws it again below, so a log line never starts where the bar ends."""
+
+    def emit(self, record):
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 def setup_logging(log_file=None, is_master: bool = True) -> logging.Logger:
     logger = logging.getLogger(LOGGER_NAME)
     logger.handlers.clear()
     logger.propagate = False
     logger.setLevel(logging.INFO if is_master else logging.WARNING)
     fmt = logging.Formatter("%(asctime)s | %(levelname)s | %(message)s", datefmt="%Y-%m-%d,%H:%M:%S")
-    console = logging.StreamHandler(sys.stdout)
+    console = _ConsoleHandler(sys.stdout)
     console.setFormatter(fmt)
     logger.addHandler(console)
     if log_file is not None and is_master:
@@ -99,7 +111,7 @@ class RunLogger:
         for key, (total, count, last) in (meters or {}).items():
             self.loss_meters.setdefault(key, Meter()).add(total, count, last)
         if self.is_master and sys.stdout.isatty():
-            self.bar = tqdm(total=num_steps, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+            self.bar = tqdm(total=num_steps, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True, file=sys.stdout)
 
     def step(self, epoch: int, step_in_epoch: int, num_steps: int, global_step: int, info: dict,
              samples_per_epoch: int, console: bool):

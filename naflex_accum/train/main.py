@@ -8,6 +8,7 @@ everything is built and checked before the run folder is created or changed;
 the exit status says how the run ended (``EXIT_CODES``).
 """
 import logging
+import shlex
 import sys
 
 import torch
@@ -40,6 +41,7 @@ from .report import open_wandb, sinks
 from .resume import restore
 from .rundir import claim_run, create_run_folder, on_master
 from .saver import NonFiniteWeights, Saver
+from .summary import finished, log_nothing_to_do, log_summary
 from .zeroshot import due, make_zero_shot
 
 log = logging.getLogger(__name__)
@@ -184,10 +186,15 @@ def _log_error(line: str) -> None:
         pass
 
 
-def _after_failure(state, saver) -> str:
+def _again(args) -> str:
+    """The flags that continue this run folder (a dated default name must be named: params.validate)."""
+    return f"--resume latest --name {shlex.quote(args.name)}"
+
+
+def _after_failure(state, saver, args) -> str:
     """What a failure line says about the run (``peers``: every rank's line names the same checkpoint)."""
     return (f"the run stopped after optimizer step {state.global_step} without saving; last good checkpoint: "
-            f"{saver.last_good or 'none'}; run again with --resume latest")
+            f"{saver.last_good or 'none'}; run again with {_again(args)}")
 
 
 def run(args, world, device, ends_process: bool = False) -> dict:
@@ -196,7 +203,7 @@ def run(args, world, device, ends_process: bool = False) -> dict:
     claim = claim_run(args, world)
     if world.peers is not None:
         world.peers.context = lambda: (f"nothing was trained; last checkpoint: {claim.resume or 'none'}; run it "
-                                       f"again" + (" with --resume latest" if claim.resume else ""))
+                                       f"again" + (f" with {_again(args)}" if claim.resume else ""))
     try:
         return _run(args, world, device, claim, ends_process)
     except UsageError:
@@ -217,6 +224,8 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
                        data_listing=train_data.index.listing())
     if claim.resume is not None:
         _resume(state, model, claim, args, world)
+        if finished(state, args):  # before the run folder is touched: nothing in it changes
+            return log_nothing_to_do(claim.resume, state, args, str(paths.root))
     claim.watch(state)
     # laid out once for the run: a resume at another world size keeps the saved steps per epoch (loop.lr_position)
     state.scheduler = make_scheduler(optimizer, args.lr, args.warmup, state.lr_steps_per_epoch * args.epochs,
@@ -226,7 +235,7 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
     stop.clear()
     saver = Saver(paths, args, world, model, last_good=claim.resume)
     if world.peers is not None:
-        world.peers.context = lambda: _after_failure(state, saver)
+        world.peers.context = lambda: _after_failure(state, saver, args)
     run_logger = RunLogger(log, world.is_master, paths.tensorboard if "tensorboard" in sinks(args.report_to)
                            else None, _wandb_run(args, world, paths), results_file=paths.results)
     autocast, metrics, exit_code = get_autocast(args.precision, device.type), {}, 0
@@ -236,6 +245,8 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
                 saver)
     log.info(f"Run folder {paths.root}: {num_steps} steps/epoch, {train_data.num_samples} samples/epoch, "
              f"world size {world.world_size}" + (f", resumed from {claim.resume}" if claim.resume else ""))
+    for note in getattr(args, "notes", ()):
+        log.info(note)
     log.info(train_data.describe())
     zero_shot = _master_only(world, make_zero_shot, args, model, world, device)
     run_evals = _evals(args, world, device, task, model, val_data, zero_shot, autocast, run_logger, state)
@@ -247,11 +258,12 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
             state.epoch += 1
             metrics = run_evals(state.epoch) or metrics
             saver.save_epoch(state)
+        log_summary(state, args, run_logger, saver.last_good)
     except Preempted:
         saved, exit_code, reason = saver.save_stop(state), EXIT_STOPPED, stop.reason()
         stop.served()  # answered: the next start must not meet this STOP file
         log.info(f"Stopped on request ({reason}) after step {state.step_in_epoch} of epoch {state.epoch}: "
-                 f"saved {saved}; continue with --resume latest (exit {EXIT_STOPPED})")
+                 f"saved {saved}; continue with {_again(args)} (exit {EXIT_STOPPED})")
     except (NonFiniteLoss, NonFiniteWeights) as exc:
         step = exc.global_step if isinstance(exc, NonFiniteLoss) else state.global_step
         exit_code = EXIT_NONFINITE
@@ -265,7 +277,7 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
         which = "Writing the run folder" if isinstance(exc, WriteError) else "Data loader"
         line = (f"{which} failed on rank {world.rank}: {what}. The run stopped after optimizer step "
                 f"{state.global_step} without saving; last good checkpoint: {saver.last_good or 'none'}; "
-                f"run again with --resume latest (exit {EXIT_LOADER})")
+                f"run again with {_again(args)} (exit {EXIT_LOADER})")
         if world.is_master:
             _log_error(line)
         if world.distributed:  # every rank ends with it; rank 0 prints another rank's (peers)

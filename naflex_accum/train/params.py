@@ -5,7 +5,11 @@ created: every bad value is a ``UsageError`` naming the flag and what is valid;
 a YAML preset only supplies defaults (flags on the command line win), and each
 of its values goes through its flag's own parsing (type, choices, number of
 values), so a preset cannot set what the command line would refuse; open_clip's
-precision names mean what they mean upstream or are refused.
+precision names mean what they mean upstream or are refused. Sequence lengths
+are each given once and kept in ascending order (with their weights), so one set
+of lengths is one run whatever order it was typed in; ``--resume latest`` names
+its run folder (``--name``). ``--help`` shows every flag's default once
+(``helptext``).
 """
 import argparse
 from pathlib import Path
@@ -16,6 +20,7 @@ import yaml
 from ..accum.modes import ACCUM_MODES, DEFAULT_MODE
 from ..accum.scales import LOSS_SCALES, check_options
 from ..errors import OneLineParser, UsageError, check_int, check_ints
+from ..helptext import DefaultsFormatter
 from ..models import load_config
 from . import finetune
 from .peers import COLLECTIVE_MARGIN, DEFAULT_TIMEOUT
@@ -30,8 +35,9 @@ PRECISIONS = SUPPORTED_PRECISIONS + CAST_PRECISIONS
 
 def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description="Train a NaFlex CLIP/SigLIP with exact gradient accumulation.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default=None, help="YAML run preset (configs/runs/NAME.yaml or a path); flags win")
+                      formatter_class=DefaultsFormatter)
+    p.add_argument("--config", default=None, help="YAML run preset (configs/runs/NAME.yaml or a path); flags win "
+                   "(default: none: every flag's own default)")
     _add_data_args(p.add_argument_group("data"))
     _add_model_args(p.add_argument_group("model and loss"))
     _add_optim_args(p.add_argument_group("optimisation"))
@@ -41,22 +47,26 @@ def build_parser(prog: str = "naflex-accum train") -> argparse.ArgumentParser:
 
 
 def _add_data_args(d) -> None:
-    d.add_argument("--train-data", default=None, help="webdataset shards: braceexpand patterns joined by '::'")
+    d.add_argument("--train-data", default=None, help="webdataset shards: braceexpand patterns joined by '::' "
+                   "(default: none: required, here or in --config)")
     d.add_argument("--train-num-samples", type=int, default=None,
                    help="samples per epoch (default: the data set's, from sizes.json or a count; more than the "
                         "data set: whole passes, each its own order, and part of one more)")
-    d.add_argument("--naflex-num-train-image-tokens", type=int, default=None, help="image tokens per epoch")
-    d.add_argument("--val-data", default=None, help="held-out shards for retrieval recall@1/5")
+    d.add_argument("--naflex-num-train-image-tokens", type=int, default=None,
+                   help="the epoch's size in image token slots (batch size x sequence length) instead of samples; "
+                        "at most one of this and --train-num-samples (default: none)")
+    d.add_argument("--val-data", default=None,
+                   help="held-out shards for retrieval recall@1/5 (default: none: no held-out evaluation)")
     d.add_argument("--val-seq-len", type=int, default=None, help="eval sequence length (default: largest train one)")
-    d.add_argument("--val-batch-size", type=int, default=64)
+    d.add_argument("--val-batch-size", type=int, default=64, help="held-out images per evaluation batch")
     d.add_argument("--val-at-start", action="store_true", help="also evaluate before the first step")
     d.add_argument("--workers", type=int, default=2, help="data loader workers per process")
     d.add_argument("--data-timeout", type=float, default=600.0,
                    help="seconds the loader (its workers, or the trainer itself with --workers 0) may send no batch "
                         "before the run stops (exit 74); 0: no limit")
     d.add_argument("--data-slots", type=int, default=None,
-                   help="slots of the global sample order (a multiple of every world size the run may have; "
-                        "default: world size x --workers at the start); kept by a resume inside an epoch")
+                   help="slots of the global sample order: a multiple of every world size the run may have; kept "
+                        "by a resume inside an epoch (default: world size x --workers at the start)")
     d.add_argument("--sample-shuffle-size", type=int, default=1000,
                    help="samples shuffled together in each data slot: a window of consecutive reads, never two "
                         "passes (open_clip's sample shuffle size); memory about this many encoded samples per "
@@ -65,11 +75,16 @@ def _add_data_args(d) -> None:
                    help="scaled: decode each JPEG at the largest DCT reduction (1/2, 1/4, 1/8) that keeps it at or "
                         "above its NaFlex size, then resize; full: decode every image at full size, then resize "
                         "(slower, the pixels before scaled decoding)")
-    d.add_argument("--naflex-seq-lens", type=int, nargs="+", default=[64, 144, 256])
-    d.add_argument("--naflex-seq-len-probs", type=float, nargs="+", default=None)
-    d.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096)
-    d.add_argument("--naflex-batch-divisor", type=int, default=8)
-    d.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=[16])
+    d.add_argument("--naflex-seq-lens", type=int, nargs="+", default=[64, 144, 256],
+                   help="patch-token sequence lengths a batch may have, each once (taken in ascending order)")
+    d.add_argument("--naflex-seq-len-probs", type=float, nargs="+", default=None,
+                   help="relative weight of each --naflex-seq-lens value, in the order given (default: equal)")
+    d.add_argument("--naflex-max-tokens-per-batch", type=int, default=4096,
+                   help="token budget T of a microbatch: length L gets T // L samples, rounded down to a multiple "
+                        "of --naflex-batch-divisor")
+    d.add_argument("--naflex-batch-divisor", type=int, default=8, help="microbatch sizes are multiples of this")
+    d.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=[16],
+                   help="patch sizes; with more than one, each batch gets one (the patch embedding resampled)")
 
 
 def _add_model_args(m) -> None:
@@ -87,28 +102,35 @@ def _add_optim_args(o) -> None:
     o.add_argument("--accum-mode", choices=ACCUM_MODES, default=DEFAULT_MODE,
                    help="cached-loss: the window loss once per window (GradCache); replay: once per microbatch, "
                         "as upstream; both exact")
-    o.add_argument("--naflex-loss-scale", choices=LOSS_SCALES, default="none")
-    o.add_argument("--epochs", type=int, default=1)
-    o.add_argument("--lr", type=float, default=5e-4)
-    o.add_argument("--wd", type=float, default=0.2)
-    o.add_argument("--beta1", type=float, default=0.9)
-    o.add_argument("--beta2", type=float, default=0.98)
-    o.add_argument("--eps", type=float, default=1e-6)
+    o.add_argument("--naflex-loss-scale", choices=LOSS_SCALES, default="none",
+                   help="scale each window's loss by its size against --batch-size: linear, sqrt, or none")
+    o.add_argument("--epochs", type=int, default=1, help="epochs to train")
+    o.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (AdamW)")
+    o.add_argument("--wd", type=float, default=0.2,
+                   help="AdamW weight decay (none on gains, biases and the logit parameters)")
+    o.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
+    o.add_argument("--beta2", type=float, default=0.98, help="AdamW beta2")
+    o.add_argument("--eps", type=float, default=1e-6, help="AdamW epsilon")
     o.add_argument("--warmup", type=int, default=100, help="warm-up optimizer steps")
-    o.add_argument("--lr-scheduler", choices=("cosine", "const"), default="cosine")
-    o.add_argument("--grad-clip-norm", type=float, default=None)
+    o.add_argument("--lr-scheduler", choices=("cosine", "const"), default="cosine",
+                   help="after the warm-up: cosine decay to 0 over the run, or a constant --lr")
+    o.add_argument("--grad-clip-norm", type=float, default=None,
+                   help="clip the gradient's total norm to this (default: none: no clipping)")
     o.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="amp: fp16 autocast with a GradScaler; amp_bf16 (= amp_bfloat16): bf16 autocast; "
                         "open_clip's bf16, fp16, pure_bf16, pure_fp16 (weights cast to 16 bits) are refused")
-    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the data order and dropout")
     o.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
 
 
 def _add_run_args(r) -> None:
     r.add_argument("--logs", "--logs-dir", dest="logs", default="./logs",
                    help="parent folder of run folders (--logs-dir: the same, for torchrun, which rejects --logs)")
-    r.add_argument("--name", default=None, help="run folder name (default: date, model, lr, batch size)")
-    r.add_argument("--resume", default=None, help="checkpoint path, or 'latest' in logs/NAME/checkpoints")
+    r.add_argument("--name", default=None,
+                   help="run folder name (default: date, model, lr, batch size, workers, precision)")
+    r.add_argument("--resume", default=None,
+                   help="checkpoint path, or 'latest' in logs/NAME/checkpoints (with --name) (default: none: a new "
+                        "run)")
     r.add_argument("--save-frequency", type=int, default=1,
                    help="checkpoints/epoch_K.pt every N epochs and after the last (0: never)")
     r.add_argument("--save-most-recent", action="store_true",
@@ -129,7 +151,9 @@ def _add_run_args(r) -> None:
     r.add_argument("--torchcompile", action="store_true",
                    help="torch.compile the model (upstream's 'model' strategy): a graph per sequence length")
     r.add_argument("--torchcompile-backend", default=None, help="torch.compile backend (default: inductor)")
-    r.add_argument("--torchcompile-mode", default=None, help="torch.compile mode (default, reduce-overhead, ...)")
+    r.add_argument("--torchcompile-mode", default=None,
+                   help="torch.compile mode: default, reduce-overhead, max-autotune, ... (default: torch.compile's "
+                        "own)")
     r.add_argument("--fsdp", action="store_true",
                    help="FSDP2 (fully_shard) per transformer block and at the root instead of DDP (torchrun)")
     r.add_argument("--fsdp-no-reshard-after-forward", action="store_true",
@@ -138,7 +162,8 @@ def _add_run_args(r) -> None:
                    "(none); wandb needs pip install 'naflex-accum[wandb]'")
     r.add_argument("--wandb-project-name", default="open-clip", help="the wandb project (open_clip's default)")
     r.add_argument("--wandb-notes", default="", help="notes for the wandb run")
-    r.add_argument("--log-every-n-steps", type=int, default=100)
+    r.add_argument("--log-every-n-steps", type=int, default=100,
+                   help="a console line every N optimizer steps, and at each epoch's last")
 
 
 def _resolve_config(path: str) -> Path:
@@ -249,9 +274,32 @@ def _infer_siglip(args) -> None:
         raise UsageError(str(exc)) from None
 
 
+def _order_seq_lens(args) -> None:
+    """Sequence lengths ascending, each once: the schedule follows their order, so two orders of one set would be
+    two runs. Their weights move with them; a note (for the run's log) says when the order changed."""
+    lens, probs = list(args.naflex_seq_lens), args.naflex_seq_len_probs
+    given = " ".join(str(s) for s in lens)
+    repeated = sorted({s for s in lens if lens.count(s) > 1})
+    if repeated:
+        raise UsageError(f"--naflex-seq-lens {given}: {', '.join(map(str, repeated))} given more than once; give "
+                         f"each length once (--naflex-seq-len-probs weighs them)")
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    args.naflex_seq_lens = [lens[i] for i in order]
+    if probs is not None:
+        args.naflex_seq_len_probs = [probs[i] for i in order]
+    if args.naflex_seq_lens != lens:
+        args.notes.append(f"--naflex-seq-lens {given} taken in ascending order: "
+                          f"{' '.join(str(s) for s in args.naflex_seq_lens)}"
+                          + (" (their --naflex-seq-len-probs with them)" if probs is not None else ""))
+
+
 def validate(args) -> None:
+    args.notes = []  # one-line remarks about how flags were taken, for the run's log (and params.txt)
     if not args.train_data:
         raise UsageError("--train-data is required: webdataset shards, e.g. 'data/train-{0000..0009}.tar'")
+    if args.resume == "latest" and args.name is None:
+        raise UsageError("--resume latest needs --name: without it each start makes a new dated run folder, which "
+                         "no later start could find; add --name NAME (the folder under --logs to resume)")
     check_ints(args, 1, "accum_freq", "epochs", "naflex_max_tokens_per_batch", "naflex_batch_divisor",
                "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
                "val_seq_len", "check_every_n_steps", "data_slots")
@@ -282,6 +330,7 @@ def validate(args) -> None:
     if args.naflex_seq_len_probs is not None and len(args.naflex_seq_len_probs) != len(args.naflex_seq_lens):
         raise UsageError(f"--naflex-seq-len-probs needs one weight per --naflex-seq-lens value "
                          f"({len(args.naflex_seq_lens)}); got {len(args.naflex_seq_len_probs)}")
+    _order_seq_lens(args)
     check_wandb(args.report_to)  # also refuses values that name no sink
     if args.fsdp and args.torchcompile:
         raise UsageError("--fsdp with --torchcompile is not offered here (upstream compiles per block inside "

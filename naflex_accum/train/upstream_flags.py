@@ -37,7 +37,7 @@ FLAGS: Dict[str, Flag] = {
     "--val-num-samples": Flag(R, "not needed: the held-out set is read to its end and counted"),
     "--dataset-type": Flag(L, "only webdataset shards are read (no csv, synthetic or audio data)",
                            ("webdataset", "auto")),
-    "--dataset-resampled": Flag(W, "off by default, as upstream"),
+    "--dataset-resampled": Flag(W),
     "--audio-ext": _AUDIO, "--pretrained-audio": _AUDIO, "--audio-fill": _AUDIO, "--audio-trunc": _AUDIO,
     "--audio-fusion": _AUDIO, "--audio-int16-normalize": _AUDIO, "--audio-zeroshot-dataset": _AUDIO,
     "--audio-zeroshot-split": _AUDIO, "--audio-zeroshot-audio-key": _AUDIO,
@@ -114,7 +114,7 @@ FLAGS: Dict[str, Flag] = {
     "--grad-clip-norm": Flag(W),
     "--precision": Flag(W, "fp32, amp (fp16 autocast with a GradScaler), amp_bf16/amp_bfloat16 (bf16 autocast); "
                            "bf16, fp16, pure_bf16, pure_fp16 cast the weights themselves and are refused with "
-                           "that reason; default fp32"),
+                           "that reason"),
     "--lr-scheduler": Flag(W, "cosine or const"),
     "--epochs-cooldown": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
     "--lr-cooldown-end": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),

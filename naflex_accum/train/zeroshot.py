@@ -51,7 +51,7 @@ def add_args(parser) -> None:
                         "(or a name in naflex_accum/class_lists, e.g. demo-shapes)")
     e.add_argument("--zeroshot-data", default=None, metavar="SHARDS",
                    help="labelled webdataset shards for --zeroshot-classes (a '.cls' index, or '.json' fields, per "
-                        "sample); --val-data when not given")
+                        "sample) (default: --val-data)")
     e.add_argument("--imagenet-val", default=None, metavar="DIR",
                    help="ImageNet val folder (one subfolder per class) for zero-shot")
     e.add_argument("--imagenet-v2", default=None, metavar="DIR",

@@ -96,7 +96,7 @@ def test_a_killed_worker_ends_the_run_within_seconds(setup, tmp_path, handover, 
     assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
     assert f"Data loader failed on rank 0: loader worker {workers - 1} of {workers} (pid {victim}) was killed by " \
            f"SIGKILL" in errors[0]
-    assert errors[0].endswith(f"run again with --resume latest (exit {EXIT_LOADER})")
+    assert errors[0].endswith(f"run again with --resume latest --name run (exit {EXIT_LOADER})")
     _last_checkpoint_loads(errors[0])
 
 

@@ -119,7 +119,7 @@ def test_storage_vanishing_mid_run_exits_74_naming_the_shard(shards, tmp_path, w
     assert code == EXIT_LOADER and took < PROMPT, (code, took, out[-3000:])
     assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
     assert f"shard {shard} cannot be read: [Errno 2] No such file or directory (ENOENT)" in errors[0], errors[0]
-    assert errors[0].endswith(f"run again with --resume latest (exit {EXIT_LOADER})")
+    assert errors[0].endswith(f"run again with --resume latest --name run (exit {EXIT_LOADER})")
 
 
 def _hanging_source(tmp_path, shards) -> str:
