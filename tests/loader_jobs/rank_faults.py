@@ -22,6 +22,7 @@ import torch
 from naflex_accum.data import fill, pipeline
 from naflex_accum.errors import UsageError
 from naflex_accum.train import main, saver
+from naflex_accum.testing.counted_step import CountedStep
 
 torch.set_num_threads(1)
 rank, record = int(os.environ.get("RANK", "0")), Path(os.environ["RECORD"])
@@ -75,19 +76,21 @@ if slow and rank == 0:
         return real_save(*args, **kwargs)
     saver.save_checkpoint = save_checkpoint
 
-real_select, steps = main.select_step, [0]
+real_select = main.select_step
+
+
+class Recorded(CountedStep):
+    """The run's step, writing how many optimizer steps this rank has made after each one."""
+
+    def __call__(self, *a, **k):
+        result = super().__call__(*a, **k)
+        if result is not None:
+            (record / f"rank{rank}.steps").write_text(str(self.steps))
+        return result
 
 
 def select_step(args):
-    step = real_select(args)
-
-    def counted(*a, **k):
-        result = step(*a, **k)
-        if result is not None:
-            steps[0] += 1
-            (record / f"rank{rank}.steps").write_text(str(steps[0]))
-        return result
-    return counted
+    return Recorded(real_select(args))
 
 
 main.select_step = select_step
