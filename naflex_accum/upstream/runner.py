@@ -8,14 +8,18 @@ Invariant: ARGS reach ``open_clip_train.main.main`` unchanged, and only once
 the patch is in place in this process (every torchrun rank installs its own);
 an open_clip that lacks the step being replaced (3.3.0 from PyPI has no NaFlex
 training), or whose contract fits no generation the fix knows, stops here with
-exit 2 and one line, before any work starts. Before the run folder exists,
-right after upstream sets up its process group, every rank audits the step on
-this run's task (``selfcheck``; ``NAFLEX_ACCUM_VERIFY=0`` skips it) and all stop,
-exit 2, if any failed. The run folder says that the fix ran, in which mode, on
-which upstream (version, contract, fingerprint) and with which verdict:
-``params.txt`` holds ``naflex_accum*`` entries and ``out.log`` lines from
-``naflex_accum.openclip``, whatever level logging is set to. A step that
-refuses its input (``scales.StepError``) ends the run with its one line, exit 2.
+exit 2 and one line, before any work starts. So does a run that upstream's
+``main`` would crash on or silently mistrain (``preflight``, on upstream's own
+parsed ARGS, ``cmdline``): nothing is created, nothing is recorded. Right
+after upstream sets up its process group, before the run folder exists, every
+rank audits the step on this run's task (``selfcheck``; ``NAFLEX_ACCUM_VERIFY=0``
+skips it) and all stop, exit 2, if any failed; a run whose loop never calls the
+step (``preflight.step_use``) is not audited and records why. The run folder
+says that the fix ran, in which mode, on which upstream (version, contract,
+fingerprint) and with which verdict: ``params.txt`` holds ``naflex_accum*``
+entries and ``out.log`` lines from ``naflex_accum.openclip``, whatever level
+logging is set to; each line reaches stderr once. A step that refuses its input
+(``scales.StepError``) ends the run with its one line, exit 2.
 """
 import contextlib
 import importlib
@@ -25,12 +29,14 @@ from typing import List, Optional, Sequence
 
 from .. import __version__
 from ..accum.modes import resolve_mode
-from ..errors import PatchError, StepError, UsageError
+from ..errors import PatchError, QuietUsageError, StepError, UsageError
 from ..ranks import process_rank
-from .patch import describe, patched
-from .selfcheck import check_run, enabled
+from . import cmdline, preflight
+from .patch import TARGET_NAME, describe, gate, import_target, is_ours, patched
+from .selfcheck import check_run, enabled, record_unused
 
 PROG = "naflex_accum.openclip"
+USAGE_PROG = "python -m naflex_accum.openclip"  # the name --help shows
 UPSTREAM_MAIN = "open_clip_train.main"
 RECORD_KEY = "naflex_accum"  # the params.txt entry (an attribute of upstream's parsed args)
 
@@ -65,29 +71,38 @@ def _upstream_main_module():
             f"(pip install '.[training]' in its git checkout).") from None
 
 
+def _is_console(handler) -> bool:
+    return (isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+            and getattr(handler, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__))
+
+
 def _log_unfiltered(message: str) -> None:
-    """Hand one INFO record to every root handler (upstream's out.log and console), whatever the levels.
+    """Hand one INFO record to every root handler but the console (upstream's out.log), whatever the levels.
 
     A run's provenance must not depend on the log level: a logger or handler
-    set to WARNING would drop an ordinary INFO record.
+    set to WARNING would drop an ordinary INFO record. The console already
+    had each line on stderr, when it was new.
     """
 
     if process_rank() != 0:
         return
     record = _log.makeRecord(_log.name, logging.INFO, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:
-        handler.handle(record)
+        if not _is_console(handler):
+            handler.handle(record)
 
 
-def _checked(args, mode: str, lines: list) -> None:
-    """The self-check of this run (every rank), its lines kept for out.log and said on stderr by rank 0."""
-    lines.extend(check_run(args, mode))
+def _checked(args, mode: str, lines: list, use: preflight.StepUse) -> None:
+    """The self-check of this run (every rank), its lines kept for out.log and said on stderr by rank 0.
+
+    A run whose loop never calls the step is not audited: its record says so, and why."""
+    lines.extend(check_run(args, mode) if use.used else record_unused(args, use.why))
     if process_rank() == 0:
         print("\n".join(f"naflex-accum: {text}" for text in lines[1:]), file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
-def _recorded_in_run_folder(module, mode: str, line: str):
+def _recorded_in_run_folder(module, mode: str, line: str, use: preflight.StepUse):
     """While upstream's ``main`` runs, check the run before it trains and make its run folder record the fix.
 
     Upstream's ``main`` parses its args, sets up its process group
@@ -108,14 +123,14 @@ def _recorded_in_run_folder(module, mode: str, line: str):
             parsed = parse_args(*args, **kwargs)
             setattr(parsed, RECORD_KEY, f"{mode} (naflex-accum {__version__})")
             if check_in_parse:
-                _checked(parsed, mode, lines)
+                _checked(parsed, mode, lines, use)
             return parsed
         return parse_args_recorded
 
     def checked(init_distributed_device):
         def init_distributed_device_checked(args, *rest, **kwargs):
             device = init_distributed_device(args, *rest, **kwargs)
-            _checked(args, mode, lines)
+            _checked(args, mode, lines, use)
             return device
         return init_distributed_device_checked
 
@@ -142,17 +157,49 @@ def _recorded_in_run_folder(module, mode: str, line: str):
                 setattr(module, name, original)
 
 
-def run(argv: Sequence[str]) -> int:
+def _check_patchable() -> None:
+    """Refuse, in one line, an open_clip the fix cannot be installed on, before anything else is read."""
+    try:
+        module = import_target()
+        current = getattr(module, TARGET_NAME, None)
+        if not is_ours(current):
+            gate(module, current)
+    except PatchError as exc:
+        raise UsageError(_refusal(exc)) from None
+
+
+def _preflight(module, argv: Sequence[str], prog: str):
+    """Upstream's parsed ARGS checked before its ``main`` starts: None after ``--help``, else the step's use.
+
+    An upstream ``main`` module without ``parse_args`` gets ARGS unchecked (its ``--help`` included)."""
+    parse_args = getattr(module, "parse_args", None)
+    if not callable(parse_args):
+        return preflight.StepUse(True, "upstream's arguments not read")
+    args = cmdline.parse(parse_args, argv, prog)
+    if args is None:
+        return None
+    line = preflight.refusal(args)
+    if line is not None:
+        # Every rank of a launch reads the same ARGS and variables: rank 0 alone says it.
+        raise (UsageError if process_rank() == 0 else QuietUsageError)(line)
+    return preflight.step_use(args)
+
+
+def run(argv: Sequence[str], prog: str = USAGE_PROG) -> int:
     """Install the patch, then hand ``argv`` to upstream's ``main``; ``UsageError`` if it cannot start."""
     mode = resolve_mode()  # $NAFLEX_ACCUM_MODE, else the default; a bad value stops here
     enabled()  # a bad $NAFLEX_ACCUM_VERIFY too
+    _check_patchable()
+    module = _upstream_main_module()
+    use = _preflight(module, argv, prog)
+    if use is None:  # --help was printed
+        return 0
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(patched(mode=mode))
         except PatchError as exc:
             raise UsageError(_refusal(exc)) from None
-        module = _upstream_main_module()
-        stack.enter_context(_recorded_in_run_folder(module, mode, describe(mode)))
+        stack.enter_context(_recorded_in_run_folder(module, mode, describe(mode), use))
         try:
             return _exit_code(module.main(list(argv)))
         except StepError as exc:  # the step's own one-line refusal, raised deep inside upstream's loop
@@ -163,6 +210,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         return run(argv)
+    except QuietUsageError:  # rank 0 says it
+        return 2
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

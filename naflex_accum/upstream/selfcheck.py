@@ -8,8 +8,9 @@ this run's task built by upstream's own ``create_model`` and ``create_task``
 accumulation mode, and every rank's rows passed with the same upstream
 fingerprint. Otherwise every rank stops with one line naming a failing row and
 its rank. ``NAFLEX_ACCUM_VERIFY=0`` skips the check, and the run records the
-skip. The check forks the CPU random state and restores the thread count, so
-the run draws what it would have drawn without it.
+skip; a run whose loop never calls the step records that instead
+(``record_unused``). The check forks the CPU random state and restores the
+thread count, so the run draws what it would have drawn without it.
 """
 import os
 import time
@@ -147,14 +148,26 @@ def _stop(reason: str):
     raise SelfCheckFailed(fail_line(reason))
 
 
+def _record_upstream(args) -> None:
+    step = installed_step()
+    args.naflex_accum_upstream = (f"open_clip {open_clip_version()}, "
+                                  f"{describe_contract(step.contract if step is not None else None)}")
+
+
+def record_unused(args, why: str) -> List[str]:
+    """Record on ``args`` (params.txt) that this run's loop never calls the step, so nothing was audited."""
+    _record_upstream(args)
+    args.naflex_accum_verify = f"not run: this run never calls the fixed step ({why})"
+    return [f"upstream: {args.naflex_accum_upstream}", f"self-check: {args.naflex_accum_verify}"]
+
+
 def check_run(args, mode: str) -> List[str]:
     """Check this run (unless skipped), record it on ``args`` (params.txt), return the lines for out.log.
 
     Raises ``SelfCheckFailed`` on every rank when any rank's audit failed.
     """
-    step, original = installed_step(), original_step()
-    args.naflex_accum_upstream = (f"open_clip {open_clip_version()}, "
-                                  f"{describe_contract(step.contract if step is not None else None)}")
+    original = original_step()
+    _record_upstream(args)
     loss_scale = getattr(args, "naflex_loss_scale", None) or "none"
     if not enabled():
         task_class = _task_class(args)

@@ -1,0 +1,176 @@
+"""The runner refuses, in one line and before upstream's ``main`` creates anything, what upstream would crash on.
+
+``python -m naflex_accum.openclip`` on each pinned upstream commit, in a
+subprocess: every refused setting must exit 2 with exactly one line on stderr
+naming the flag, no traceback, no run folder under ``--logs`` and no self-check
+record. Refusals come before any training, so each run takes seconds. Two runs
+train: distillation at ``--accum-freq 1`` (upstream never calls the fixed step:
+the record says so instead of auditing it) and a run with accumulation, whose
+status lines must reach stderr once each. ``--help`` names the runner and its
+variables.
+"""
+import dataclasses
+import socket
+import subprocess
+import sys
+
+import pytest
+from upstream_real import DETERMINISTIC, PINNED, run_python, tail, upstream_env
+
+PREFIX = "naflex_accum.openclip: error: "
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(upstream_src, tmp_path_factory):
+    """A tiny CLIP model folder with saved weights (the teacher of the distillation run too), built by upstream."""
+    folder = tmp_path_factory.mktemp("tiny-clip")
+    code = "import sys; from naflex_accum.upstream.tiny_tasks import write_model_dir as w; w(sys.argv[1], 'clip', " \
+           "weights=True)"
+    proc = run_python(upstream_src, ["-c", code, folder], cwd=folder)
+    assert proc.returncode == 0, tail(proc)
+    return f"local-dir:{folder}", folder / "open_clip_pytorch_model.bin"
+
+
+def _data(demo_shards):
+    return ["--train-data", demo_shards, "--dataset-type", "webdataset", "--train-num-samples", "8", "--workers", "0",
+            "--device", "cpu"]
+
+
+def _runner(src, args, cwd, module="naflex_accum.openclip", **env):
+    env = {"NAFLEX_ACCUM_MODE": None, "NAFLEX_ACCUM_VERIFY": None, **DETERMINISTIC, **env}
+    return run_python(src, ["-m", module, *args], cwd=cwd, timeout=TIMEOUT, env=upstream_env(src, **env))
+
+
+def _refused(proc, logs, *said) -> str:
+    """The one line of a refused run: exit 2, nothing else on stderr, no traceback, no run folder."""
+    assert proc.returncode == 2, tail(proc)
+    assert "Traceback" not in proc.stderr + proc.stdout, tail(proc)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(PREFIX), proc.stderr[-3000:]
+    assert all(text in lines[0] for text in said), lines[0]
+    assert "PASS" not in proc.stderr + proc.stdout
+    assert not logs.exists(), sorted(logs.rglob("*"))
+    return lines[0]
+
+
+def _refuse(pinned, demo_shards, tmp_path, args, *said, **env) -> str:
+    logs = tmp_path / "logs"
+    proc = _runner(pinned.src, [*args, *_data(demo_shards), "--logs", logs, "--name", "run"], tmp_path, **env)
+    return _refused(proc, logs, *said)
+
+
+def test_a_negative_accum_freq_is_refused(pinned, demo_shards, tmp_path):
+    _refuse(pinned, demo_shards, tmp_path, ["--accum-freq", "-1", "--precision", "fp32"],
+            "--accum-freq -1: use 1 ", "or more")
+
+
+def test_accum_freq_zero_is_refused(pinned, demo_shards, tmp_path):
+    _refuse(pinned, demo_shards, tmp_path, ["--accum-freq", "0"], "--accum-freq 0: use 1 ")
+
+
+def test_ddp_on_the_cpu_is_refused_by_rank_0_and_every_rank_exits_2(pinned, demo_shards, tmp_path):
+    """Two ranks as torchrun starts them (its variables), each with its own stderr."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = tmp_path / "logs"
+    argv = [sys.executable, "-m", "naflex_accum.openclip", "--accum-freq", "2", *_data(demo_shards), "--logs", logs,
+            "--name", "run"]
+    procs = [subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=upstream_env(pinned.src, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **DETERMINISTIC))
+             for rank in (0, 1)]
+    try:
+        done = [subprocess.CompletedProcess(p.args, *((p.wait(timeout=TIMEOUT),) + p.communicate()))
+                for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    _refused(done[0], logs, "--device cpu with WORLD_SIZE=2: upstream's main cannot train DDP on the CPU",
+             "`naflex-accum train`")
+    assert done[1].returncode == 2 and done[1].stderr.strip() == "", tail(done[1])  # rank 0 says it
+
+
+def test_distillation_with_accumulation_is_refused_even_unverified(pinned, demo_shards, tiny_clip, tmp_path):
+    model, weights = tiny_clip
+    _refuse(pinned, demo_shards, tmp_path, ["--model", model, "--distill-model", model, "--distill-pretrained",
+                                            weights, "--accum-freq", "2"],
+            "--distill-model with --accum-freq 2: upstream's distillation trains only at --accum-freq 1",
+            NAFLEX_ACCUM_VERIFY="0")
+
+
+def test_distillation_without_accumulation_trains_and_records_that_the_step_is_unused(pinned, demo_shards,
+                                                                                      tiny_clip, tmp_path):
+    model, weights = tiny_clip
+    logs = tmp_path / "logs"
+    proc = _runner(pinned.src, ["--model", model, "--distill-model", model, "--distill-pretrained", weights,
+                                "--batch-size", "4", "--epochs", "1", "--lr", "1e-3", "--warmup", "0",
+                                *_data(demo_shards), "--logs", logs, "--name", "distill"], tmp_path)
+    assert proc.returncode == 0, tail(proc)
+    why = ("not run: this run never calls the fixed step (--accum-freq 1 with --precision amp_bf16: upstream trains "
+           "each batch with its own one-batch step")
+    params = (logs / "distill" / "params.txt").read_text()
+    assert f"naflex_accum_verify: {why}" in params
+    said = [line for line in proc.stderr.splitlines() if "self-check:" in line and "naflex_accum_verify" not in line]
+    assert len(said) == 1 and said[0].startswith(f"naflex-accum: self-check: {why}"), said
+    assert "Distill_loss" in (logs / "distill" / "out.log").read_text()
+
+
+def test_no_arguments_at_all_is_refused(pinned, tmp_path):
+    proc = _runner(pinned.src, [], tmp_path)
+    _refused(proc, tmp_path / "logs", "no --train-data: ", "--dataset-type synthetic")
+
+
+def test_a_zero_reference_batch_size_is_refused_before_the_run_folder(pinned, demo_shards, tmp_path):
+    _refuse(pinned, demo_shards, tmp_path, ["--use-naflex", "--batch-size", "0", "--naflex-loss-scale", "linear",
+                                            "--accum-freq", "2"], "--batch-size 0: use 1 or more")
+
+
+@pytest.mark.parametrize("module,prog", [("naflex_accum.openclip", "python -m naflex_accum.openclip"),
+                                         ("naflex_accum.cli", "naflex-accum openclip")])
+def test_help_names_the_runner_its_variables_and_upstreams_flags(pinned, tmp_path, module, prog):
+    args = ["openclip", "--help"] if module == "naflex_accum.cli" else ["--help"]
+    proc = _runner(pinned.src, args, tmp_path, module=module)
+    assert proc.returncode == 0 and proc.stderr == "", tail(proc)
+    assert proc.stdout.startswith(f"usage: {prog} [-h] "), proc.stdout[:300]
+    for text in ("--accum-freq", "--naflex-loss-scale", pinned.tokens_flag, "NAFLEX_ACCUM_MODE=cached-loss|replay",
+                 "NAFLEX_ACCUM_VERIFY=1|0", f"{prog}: upstream open_clip main's trainer"):
+        assert text in proc.stdout, text
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_status_lines_reach_stderr_once(pinned, demo_shards, tiny_clip, tmp_path):
+    model, _ = tiny_clip
+    logs = tmp_path / "logs"
+    proc = _runner(pinned.src, ["--model", model, "--batch-size", "4", "--accum-freq", "2", "--epochs", "1",
+                                "--lr", "1e-3", "--warmup", "0", *_data(demo_shards), "--logs", logs, "--name", "run"],
+                   tmp_path)
+    assert proc.returncode == 0, tail(proc)
+    log = (logs / "run" / "out.log").read_text().splitlines()
+    for text in ("_train_step_eager replaced by naflex_accum.cached_loss_step", "upstream: open_clip ",
+                 "self-check: PASS 8/8 rows", "upstream's own step, audited the same way: "):
+        said = [line for line in proc.stderr.splitlines() if text in line and "naflex_accum_" not in line]
+        assert len(said) == 1 and said[0].startswith("naflex-accum: "), said
+        assert len([line for line in log if text in line and "| naflex_accum.openclip |" in line]) == 1, text
+
+
+OTHERS = [
+    (["--distill-model", "ViT-B-32"], "--distill-model without --distill-pretrained"),
+    (["--model", "coca_ViT-B-32", "--distill-model", "ViT-B-32", "--distill-pretrained", "x"],
+     "--distill-model with --model coca_ViT-B-32"),
+    (["--use-naflex", "--naflex-seq-lens", "0", "64"], "--naflex-seq-lens 0 64: "),
+    (["--torchcompile", "--torchcompile-strategy", "step", "--accum-freq", "2"],
+     "--torchcompile-strategy step with --accum-freq 2"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("args,said", OTHERS, ids=lambda v: v if isinstance(v, str) else None)
+def test_other_settings_upstream_would_crash_on_are_refused(upstream_src, demo_shards, tmp_path, args, said):
+    _refuse(dataclasses.replace(PINNED["89fb801"], src=upstream_src), demo_shards, tmp_path, args, said)
+
+
+def test_upstreams_own_checks_after_parsing_are_one_line(upstream_src, demo_shards, tmp_path):
+    _refuse(dataclasses.replace(PINNED["89fb801"], src=upstream_src), demo_shards, tmp_path,
+            ["--model", "naflexgenlip_test", "--accum-freq", "2"], "GenLIP does not support --accum-freq > 1")
