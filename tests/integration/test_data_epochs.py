@@ -12,7 +12,8 @@ import zlib
 
 import pytest
 import torch
-from unit.data.test_epochs import DEFAULT, check_epoch, datasets, global_batches, windows  # noqa: F401 (fixtures)
+from unit.data.test_epochs import (DEFAULT, check_epoch, datasets, global_batches, source,  # noqa: F401 (fixtures)
+                                   windows)
 
 torch.set_num_threads(1)
 
