@@ -43,7 +43,8 @@ def summary_lines(state, args, run_logger, last_checkpoint: Optional[str]) -> li
              + f"; last checkpoint: {last_checkpoint or 'none (--save-frequency 0)'}"]
     if run_logger.evals:
         epoch, metrics = run_logger.evals[-1]
-        lines.append(f"Final eval (epoch {epoch}): " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        shown = {k: v for k, v in metrics.items() if k not in ("epoch", "num_samples")}  # results.jsonl's counters
+        lines.append(f"Final eval (epoch {epoch}): " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
     return lines
 
 

@@ -102,6 +102,7 @@ def test_a_finished_run_ends_with_a_summary(shards, tmp_path, capsys):
         assert f"last checkpoint: {tmp_path / 'run' / 'checkpoints' / 'epoch_1.pt'}" in finished[0]
         final_eval = [line for line in text.splitlines() if "Final eval (epoch 1):" in line]
         assert len(final_eval) == 1 and "image_to_text_R@1" in final_eval[0]
+        assert "num_samples" not in final_eval[0] and "epoch 1.0000" not in final_eval[0]  # counters, not metrics
         # the summary comes last, after the epoch's own lines
         assert text.rindex("Finished: epoch") > text.rindex("Eval Epoch: 1")
         sorted_note = [line for line in text.splitlines() if "--naflex-seq-lens 36 16 taken in ascending" in line]
