@@ -285,7 +285,7 @@ def check_targets(all_times, memory):
         # few hundred KiB) to the last microbatch's activations, below what an RSS probe resolves reliably.
         ratio = round(memory[variant] / 1024) / round(memory[base] / 1024)
         failed += ratio > limit
-        print(f"| {setting} k={k}: peak memory of {variant} <= {limit:.2f}x {base} (today's order), whole MiB | "
+        print(f"| {setting} k={k}: peak memory of {variant} <= {limit:.2f}x {base} (the older order), whole MiB | "
               f"{ratio:.3f}x ({memory[variant] - memory[base]:+d} KiB) | {'PASS' if ratio <= limit else 'FAIL'} |")
     return failed
 
