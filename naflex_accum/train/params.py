@@ -12,6 +12,7 @@ its run folder (``--name``). ``--help`` shows every flag's default once
 (``helptext``).
 """
 import argparse
+import math
 from pathlib import Path
 from typing import List, Optional
 
@@ -293,6 +294,23 @@ def _order_seq_lens(args) -> None:
                           + (" (their --naflex-seq-len-probs with them)" if probs is not None else ""))
 
 
+def _check_optimizer(args) -> None:
+    """AdamW's own ranges, and finite numbers: a value outside them trains wrongly or fails late."""
+    finite = math.isfinite
+    if not (finite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a finite number > 0; got {args.lr}")
+    if not (finite(args.wd) and args.wd >= 0):
+        raise UsageError(f"--wd must be a finite number >= 0 (AdamW's weight decay); got {args.wd}")
+    for flag, beta in (("--beta1", args.beta1), ("--beta2", args.beta2)):
+        if not 0 <= beta < 1:
+            raise UsageError(f"{flag} must be in [0, 1) (AdamW's moment decay); got {beta}")
+    if not (finite(args.eps) and args.eps > 0):
+        raise UsageError(f"--eps must be a finite number > 0; got {args.eps}")
+    if args.grad_clip_norm is not None and not (finite(args.grad_clip_norm) and args.grad_clip_norm > 0):
+        raise UsageError(f"--grad-clip-norm must be a finite norm > 0 (leave it out for no clipping); "
+                         f"got {args.grad_clip_norm}")
+
+
 def validate(args) -> None:
     args.notes = []  # one-line remarks about how flags were taken, for the run's log (and params.txt)
     if not args.train_data:
@@ -304,8 +322,7 @@ def validate(args) -> None:
                "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
                "val_seq_len", "check_every_n_steps", "data_slots")
     check_ints(args, 0, "workers", "sample_shuffle_size", "warmup", "save_frequency", "save_every_n_steps", "keep_last")
-    if not args.lr > 0:
-        raise UsageError(f"--lr must be positive; got {args.lr}")
+    _check_optimizer(args)
     if not (args.data_timeout >= 0 and args.data_timeout != float("inf")):
         raise UsageError(f"--data-timeout must be a number of seconds >= 0 (0: no limit); got {args.data_timeout}")
     if not (args.dist_timeout > 0 and args.dist_timeout != float("inf")):
@@ -339,4 +356,9 @@ def validate(args) -> None:
         raise UsageError("--local-loss and --gather-with-grad apply to the CLIP loss, not --siglip")
     if args.name is not None and (not args.name or "/" in args.name or args.name in (".", "..")):
         raise UsageError(f"--name {args.name!r}: use a plain folder name without '/'")
+    if args.name is not None and len(args.name.encode()) > 255:
+        raise UsageError(f"--name is {len(args.name.encode())} bytes long: a folder name holds at most 255")
+    if args.val_seq_len is not None and args.val_seq_len > args.naflex_max_tokens_per_batch:
+        raise UsageError(f"--val-seq-len {args.val_seq_len} exceeds --naflex-max-tokens-per-batch "
+                         f"{args.naflex_max_tokens_per_batch}: an evaluation image may hold at most the budget")
     finetune.validate(args)

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from braceexpand import braceexpand
+
 from ..accum.scales import validate_mode
 from ..errors import StepError, is_positive_int
 
@@ -94,12 +96,26 @@ def _accum_freq(args) -> Optional[str]:
     return None
 
 
+def _missing_files(spec: str) -> list:
+    """The local files that ``spec`` (upstream's '::'-joined braceexpand patterns) names and that do not exist;
+    ``pipe:`` commands and URLs are not checked here (they may only read at run time)."""
+    local = [p for part in spec.split("::") if part and "://" not in part and not part.startswith("pipe:")
+             for p in braceexpand(part)]
+    return [p for p in local if not os.path.exists(p)]
+
+
 def _train_data(args) -> Optional[str]:
     data, kind = _get(args, "train_data"), _get(args, "dataset_type")
-    if data is _MISSING or kind is _MISSING or data or kind in SYNTHETIC:
+    if data is _MISSING or kind is _MISSING or kind in SYNTHETIC:
         return None
-    return ("no --train-data: the runner trains; give --train-data (webdataset shards or a CSV) or "
-            "--dataset-type synthetic. To only evaluate, run upstream's own `python -m open_clip_train.main`")
+    if not data:
+        return ("no --train-data: the runner trains; give --train-data (webdataset shards or a CSV) or "
+                "--dataset-type synthetic. To only evaluate, run upstream's own `python -m open_clip_train.main`")
+    missing = _missing_files(str(data))
+    if missing:  # upstream's webdataset loader would skip the missing file forever
+        return (f"--train-data: {len(missing)} file(s) not found (first {missing[0]!r}); give existing "
+                f"shards or a CSV")
+    return None
 
 
 def _distillation(args) -> Optional[str]:

@@ -168,3 +168,30 @@ def test_a_text_file_given_as_a_checkpoint_is_one_line(setup, tmp_path, capsys, 
                     f"{flag} {tmp_path / 'notes.txt'}: not a torch checkpoint or safetensors file (it starts with "
                     f"'epoch 3 looked good")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--grad-clip-norm", "-1"], "--grad-clip-norm must be a finite norm > 0"),
+    (["--grad-clip-norm", "0"], "--grad-clip-norm must be a finite norm > 0"),
+    (["--grad-clip-norm", "nan"], "--grad-clip-norm must be a finite norm > 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0"),
+    (["--wd", "nan"], "--wd must be a finite number >= 0"),
+    (["--wd", "-1"], "--wd must be a finite number >= 0"),
+    (["--beta1", "1.5"], "--beta1 must be in [0, 1)"),
+    (["--beta2", "-0.5"], "--beta2 must be in [0, 1)"),
+    (["--eps", "-1"], "--eps must be a finite number > 0"),
+    (["--eps", "0"], "--eps must be a finite number > 0"),
+    (["--val-seq-len", "100000"], "--val-seq-len 100000 exceeds --naflex-max-tokens-per-batch 256"),
+])
+def test_optimizer_and_eval_values_outside_their_range_are_one_line(setup, tmp_path, capsys, extra, needle):
+    """Red before: a negative clip norm trained the loss upwards, exit 0; --beta1 1.5 was AdamW's traceback;
+    --val-seq-len 100000 ran out of memory at the first evaluation, after an epoch of training."""
+    shards, model = setup
+    exit_2_one_line(capsys, run_argv(shards, model, tmp_path, "r", *extra, workers=0), needle)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_name_longer_than_a_folder_name_is_one_line(setup, tmp_path, capsys):
+    shards, model = setup
+    exit_2_one_line(capsys, run_argv(shards, model, tmp_path, "x" * 300, workers=0),
+                    "--name is 300 bytes long: a folder name holds at most 255")

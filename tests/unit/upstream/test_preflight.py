@@ -42,3 +42,14 @@ def test_the_step_is_used_exactly_when_upstreams_loop_calls_it(monkeypatch, kw, 
 def test_arguments_it_cannot_read_count_as_used_and_are_not_refused():
     assert step_use(SimpleNamespace(argv=["--x"])).used
     assert refusal(SimpleNamespace(argv=["--x"])) is None
+
+
+def test_train_data_naming_files_that_do_not_exist_is_refused(tmp_path):
+    """Red before: upstream's webdataset loader skipped the missing shard forever, after making the run folder."""
+    (tmp_path / "a-0.tar").write_bytes(b"")
+    present, absent = str(tmp_path / "a-{0..0}.tar"), str(tmp_path / "a-{0..2}.tar")
+    assert refusal(_args(train_data=present, dataset_type="webdataset")) is None
+    line = refusal(_args(train_data=f"{present}::{absent}", dataset_type="webdataset"))
+    assert line.startswith("--train-data: 2 file(s) not found (first ") and "a-1.tar" in line
+    assert refusal(_args(train_data="pipe:cat /nowhere/x.tar", dataset_type="webdataset")) is None
+    assert refusal(_args(train_data=str(tmp_path / "none.csv"), dataset_type="csv")).startswith("--train-data: 1 ")
