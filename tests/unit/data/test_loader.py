@@ -1,12 +1,6 @@
-"""A data-loader worker that dies, raises or stops answering ends the run promptly, in one line, exit 74.
+"""--data-timeout, how long the loader waits for a batch: seconds >= 0 (0: no limit), else one line, exit 2.
 
-The real thing in a subprocess (``loader_jobs/faulty_trainer.py`` around ``naflex-accum
-train``): a worker killed with SIGKILL (what the OOM killer sends), over both hand-over
-paths (recycled shared-memory slots, fresh shared memory) with 1 and 2 workers (and a worker
-killed while its batch is read, before it can be reaped: ``loader_jobs/lost_mid_read.py``); a worker
-that raises; a worker frozen with SIGSTOP under ``--data-timeout``. Each run must exit 74
-within seconds with one error line naming the worker, print no traceback, and leave its
-last checkpoint loadable. Every subprocess has a timeout.
+Workers that die, raise or stop answering run for real in integration/test_loader_faults.py.
 """
 
 import pytest

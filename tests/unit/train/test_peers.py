@@ -1,14 +1,7 @@
-"""A rank that fails, freezes or is killed ends every rank of the run, in one line, in its exit class.
+"""--dist-timeout, how long a rank waits on its peers (train/peers.py): seconds above 0, else one line, exit 2.
 
-The real thing: torchrun (--standalone, gloo, CPU, 2 processes; each rank's output redirected by
-torchrun to files of its own) around ``naflex-accum train`` (``loader_jobs/rank_faults.py``), and two
-processes started the way srun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), where rank 0
-serves the job's store from a process of its own. Faults: rank 1 alone raises (its data loader cannot
-start, or its images stop decoding mid-run); rank 1 frozen with SIGSTOP; rank 1 killed with SIGKILL;
-rank 1 frozen while rank 0 gets SIGTERM; rank 0 killed under srun; rank 0's checkpoint write slower
-than any collective may wait. The line must reach the user once, on rank 0's stderr (and in out.log
-once it exists); no rank may print a traceback or a connection error. Every subprocess has a timeout;
-times are asserted only as generous bounds on a hang.
+The peers themselves (a rank that fails, freezes or is killed) run for real in
+integration/test_rank_failures.py.
 """
 
 import pytest
