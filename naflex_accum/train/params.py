@@ -85,7 +85,8 @@ def _add_data_args(d) -> None:
                         "of --naflex-batch-divisor")
     d.add_argument("--naflex-batch-divisor", type=int, default=8, help="microbatch sizes are multiples of this")
     d.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=[16],
-                   help="patch sizes; with more than one, each batch gets one (the patch embedding resampled)")
+                   help="patch sizes; with more than one, each batch gets one (the patch embedding resampled); one size: the "
+                        "model's own")
 
 
 def _add_model_args(m) -> None:

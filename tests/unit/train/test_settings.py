@@ -195,3 +195,11 @@ def test_a_name_longer_than_a_folder_name_is_one_line(setup, tmp_path, capsys):
     shards, model = setup
     exit_2_one_line(capsys, run_argv(shards, model, tmp_path, "x" * 300, workers=0),
                     "--name is 300 bytes long: a folder name holds at most 255")
+
+
+def test_one_patch_size_other_than_the_models_is_one_line(setup, tmp_path, capsys):
+    """Red before: a shape traceback at the first forward (a flattened 7x7 patch against a 16x16 embedding)."""
+    shards, model = setup
+    exit_2_one_line(capsys, run_argv(shards, model, tmp_path, "p", "--naflex-patch-sizes", "7", workers=0),
+                    "--naflex-patch-sizes 7: --model", "embeds 16-pixel patches; give 16, or several sizes (e.g. 7 16)")
+    assert not (tmp_path / "p").exists()
