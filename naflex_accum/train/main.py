@@ -65,8 +65,9 @@ def build_task(args, world, device):
         model = create_model(args.model, siglip=args.siglip, patch_dropout=args.force_patch_dropout)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    native = tuple(model.visual.trunk.embeds.patch_size)[0]
-    if len(args.naflex_patch_sizes) == 1 and args.naflex_patch_sizes[0] != native:
+    embeds = getattr(getattr(model.visual, "trunk", None), "embeds", None)  # a timm NaFlexVit tower's
+    native = tuple(embeds.patch_size)[0] if embeds is not None else None
+    if native is not None and len(args.naflex_patch_sizes) == 1 and args.naflex_patch_sizes[0] != native:
         # one size goes to the tower flattened, as its own patch embedding takes it: only its native size fits
         raise UsageError(f"--naflex-patch-sizes {args.naflex_patch_sizes[0]}: --model {args.model} embeds "
                          f"{native}-pixel patches; give {native}, or several sizes (e.g. "
