@@ -8,6 +8,7 @@ fail, and the patched session must have called the fixed step. The tests that
 need the network fail without it, patched or not, and are left out by name.
 """
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -69,7 +70,7 @@ def sessions(upstream_src, tmp_path_factory):
         root = _snapshot(tmp_path_factory.mktemp(f"suite-{name}"))
         deselect = [arg for test in OFFLINE for arg in ("--deselect", test)]
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *extra,
-               f"--junitxml={root / 'junit.xml'}", *deselect, *FILES]
+               f"--basetemp={root / 'pytest-tmp'}", f"--junitxml={root / 'junit.xml'}", *deselect, *FILES]
         env = upstream_env(root / "src", OMP_NUM_THREADS="1", NAFLEX_ACCUM_MODE=None, PYTHONDONTWRITEBYTECODE="1")
         runs[name] = (root, subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT, text=True))
@@ -77,6 +78,9 @@ def sessions(upstream_src, tmp_path_factory):
     for name, (root, proc) in runs.items():
         out, _ = proc.communicate(timeout=TIMEOUT)
         done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, ""), _outcomes(root / "junit.xml"))
+        # upstream's training tests save full-size RN50, CoCa and ViT-B-32 checkpoints (about 5 GB a session)
+        for scratch in ("logs", "pytest-tmp"):
+            shutil.rmtree(root / scratch, ignore_errors=True)
     return done
 
 
