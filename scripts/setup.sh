@@ -21,6 +21,16 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  default_spec="torch==2.14.1 torchvision==0.29.1"
+  if [ "$TORCH_SPEC" = "$default_spec" ] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    # torch 2.14.1's CUDA build takes about 5.6 GB once installed; pip's own failure would be a traceback
+    free_kb=$(df -Pk "$VENV" | awk 'NR == 2 {print $4}')
+    if [ "${free_kb:-0}" -lt $((6 * 1024 * 1024)) ]; then
+      echo "setup: $default_spec needs about 6 GB in $VENV; only $((free_kb / 1024)) MB are free there." \
+           "Free some space and run this again." >&2
+      exit 1
+    fi
+  fi
   echo "setup: installing $TORCH_SPEC and naflex-accum${target#.} into $VENV (first time takes a few minutes)"
   # shellcheck disable=SC2086  # TORCH_SPEC is a list of requirement specifiers
   "$VENV/bin/python" -m pip install -q $TORCH_SPEC 2> >(grep -v "is ignored: it is neither" >&2)

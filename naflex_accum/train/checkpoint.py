@@ -4,9 +4,12 @@ Invariants: a file under a checkpoint name is complete (written to a hidden
 temporary file in the same folder, flushed to disk, then ``os.replace``d; a
 failed write removes its temporary file and says which path and which OS error)
 and carries a checksum of its payload (``integrity``), which a full read
-verifies; reading never runs code from the file (``torch.load(weights_only=True)``
-with the allow-list below) and a file that is neither a torch checkpoint nor
-safetensors is named as such; ``--resume latest`` takes the checkpoint furthest
+verifies; a torch file's bytes that differ from the CRC-32s its zip recorded
+(the pickle's on every read; every member's on a full read of a file without a
+checksum, or once a read has failed) are named as damage, never as a refused or
+foreign file, nor read as other numbers; reading never runs code from the file
+(``torch.load(weights_only=True)`` with the allow-list below) and a file that is
+neither a torch checkpoint nor safetensors is named as such; ``--resume latest`` takes the checkpoint furthest
 into the run, at the top level of ``checkpoints/`` (the current branch,
 ``lineage``), that loads and verifies, skipping the others with a warning;
 retention never deletes the file just written, and a file it cannot delete is a
@@ -19,6 +22,7 @@ import logging
 import os
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import List, Optional, Set, Tuple
 
@@ -123,8 +127,9 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
     """A checkpoint (or ``.safetensors``) file as a dict, read without running code from it.
 
     Every problem is a one-line ``UsageError`` naming ``flag`` and the file: missing, truncated or
-    not a checkpoint, needing more than ``ALLOWED_GLOBALS`` (an arbitrary pickled object), or (a full
-    read, not ``mmap``) a checksum that does not match its content.
+    not a checkpoint, damaged (bytes that differ from its zip's CRC-32s), needing more than
+    ``ALLOWED_GLOBALS`` (an arbitrary pickled object), or (a full read, not ``mmap``) a checksum that
+    does not match its content.
     """
     path = Path(path)
     if not path.is_file():
@@ -134,16 +139,11 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
     try:
         with torch.serialization.safe_globals(list(ALLOWED_GLOBALS)):
             payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        name = _refused_global(exc)
-        if name is None:
-            raise UsageError(f"{flag} {path}: cannot read this file ({_first_line(exc)})") from None
-        raise UsageError(f"{flag} {path}: refused: opening it would import and run {name}; only tensors, "
-                         f"numbers, strings and containers of them are read (re-save the file's state_dict "
-                         f"with torch.save if you trust it)") from None
-    except Exception as exc:  # a truncated or foreign file: say which, not a zip/pickle traceback
-        raise UsageError(f"{flag} {path}: cannot read this file ({type(exc).__name__}: {_first_line(exc)})") \
-            from None
+    except Exception as exc:
+        _refuse_damage(path, flag, pickle_only=False)  # a flipped bit can read as an unknown global or garbage
+        raise _unreadable(path, flag, exc) from None
+    # torch.load does not check the zip's CRC-32s: the pickle's always, the tensors' where no checksum does
+    _refuse_damage(path, flag, pickle_only=mmap or (isinstance(payload, dict) and sealed(payload)))
     if not isinstance(payload, dict):
         raise UsageError(f"{flag} {path}: holds a {type(payload).__name__}, not a checkpoint dict or state_dict")
     changed = [] if mmap else changed_parts(payload)  # mapped: the tensors are not read, so not checked
@@ -151,6 +151,47 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
         raise UsageError(f"{flag} {path}: its checksum does not match ({', '.join(changed)} changed): the file "
                          f"changed after it was written (a disk or copy fault); use another checkpoint")
     return payload
+
+
+def _unreadable(path: Path, flag: str, exc: Exception) -> UsageError:
+    """Why ``torch.load`` failed on an undamaged file, in one line: code it would run, or what broke."""
+    name = _refused_global(exc) if isinstance(exc, pickle.UnpicklingError) else None
+    if name is not None:
+        return UsageError(f"{flag} {path}: refused: opening it would import and run {name}; only tensors, "
+                          f"numbers, strings and containers of them are read (re-save the file's state_dict "
+                          f"with torch.save if you trust it)")
+    if isinstance(exc, pickle.UnpicklingError):
+        return UsageError(f"{flag} {path}: cannot read this file ({_first_line(exc)})")
+    # a truncated or foreign file: say which, not a zip/pickle traceback
+    return UsageError(f"{flag} {path}: cannot read this file ({type(exc).__name__}: {_first_line(exc)})")
+
+
+def _refuse_damage(path: Path, flag: str, pickle_only: bool) -> None:
+    """One line if a member of a torch zip file (only its pickle, ``data.pkl``, when ``pickle_only``) does not
+    match the CRC-32 or the header the zip recorded for it; nothing for a file that is not a readable zip."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except Exception:
+        return  # not a zip, or its directory is damaged: torch.load's own error says more
+    with archive:
+        members = archive.infolist()
+        for member in members:
+            if member.external_attr & 0x10 and not member.is_dir():  # a file with MS-DOS's folder bit, which
+                # torch's reader serves as empty
+                raise UsageError(f"{flag} {path}: damaged: {member.filename} is marked as a folder in the zip; the "
+                                 f"file changed after it was written (a disk or copy fault); use another checkpoint")
+        if pickle_only:
+            members = [m for m in members if m.filename.rsplit("/", 1)[-1] == "data.pkl"]
+        for member in members:
+            try:
+                with archive.open(member) as stream:
+                    while stream.read(1 << 22):  # zipfile checks the CRC-32 at the member's end
+                        pass
+            except Exception as exc:  # BadZipFile, EOFError, NotImplementedError (a flipped compression method)
+                why = "does not match the CRC-32 it was written with" if "CRC" in str(exc) else \
+                    f"cannot be read ({_first_line(exc)})"  # e.g. a local header that shifts where its data starts
+                raise UsageError(f"{flag} {path}: damaged: {member.filename} {why}; the file changed after it was "
+                                 f"written (a disk or copy fault); use another checkpoint") from None
 
 
 def _format(path: Path, flag: str) -> str:

@@ -6,17 +6,22 @@ and under ``-p naflex_accum.testing.pytest_plugin`` (``install()`` before any te
 module is imported). Every test must end the same way both times, none may
 fail, and the patched session must have called the fixed step. The tests that
 need the network fail without it, patched or not, and are left out by name.
+Both sessions load ``upstream_jobs/suite_scratch.py`` and keep a failing test's
+folders only: a passing test's checkpoints and ``tmp_path`` go as it ends.
 """
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import xml.etree.ElementTree as ElementTree
+from pathlib import Path
 
 import pytest
 from upstream_real import SHARED, tail, upstream_env
 
+JOBS = Path(__file__).resolve().parents[1] / "upstream_jobs"  # suite_scratch, the plugin both sessions load
 COMMIT = "89fb801"
 FILES = [
     # training
@@ -69,17 +74,19 @@ def sessions(upstream_src, tmp_path_factory):
     for name, extra in (("plain", []), ("patched", ["-p", PLUGIN])):
         root = _snapshot(tmp_path_factory.mktemp(f"suite-{name}"))
         deselect = [arg for test in OFFLINE for arg in ("--deselect", test)]
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *extra,
-               f"--basetemp={root / 'pytest-tmp'}", f"--junitxml={root / 'junit.xml'}", *deselect, *FILES]
+        # scratch: each test's checkpoints and tmp_path go when it passes (both sessions hold up to 9 GB otherwise)
+        scratch = ["-p", "suite_scratch", f"--basetemp={root / 'pytest-tmp'}", "-o", "tmp_path_retention_policy=failed"]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *extra, *scratch,
+               f"--junitxml={root / 'junit.xml'}", *deselect, *FILES]
         env = upstream_env(root / "src", OMP_NUM_THREADS="1", NAFLEX_ACCUM_MODE=None, PYTHONDONTWRITEBYTECODE="1")
+        env["PYTHONPATH"] += os.pathsep + str(JOBS)
         runs[name] = (root, subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT, text=True))
     done = {}
     for name, (root, proc) in runs.items():
         out, _ = proc.communicate(timeout=TIMEOUT)
         done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, ""), _outcomes(root / "junit.xml"))
-        # upstream's training tests save full-size RN50, CoCa and ViT-B-32 checkpoints (about 5 GB a session)
-        for scratch in ("logs", "pytest-tmp"):
+        for scratch in ("logs", "pytest-tmp"):  # what failing tests kept, and upstream's run folders
             shutil.rmtree(root / scratch, ignore_errors=True)
     return done
 

@@ -99,3 +99,47 @@ def test_a_text_file_is_not_a_checkpoint(tmp_path, flag):
         load_payload(tmp_path / "empty.pt", flag=flag)
 
 
+
+
+def _payload():
+    weights = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    return {"epoch": 3, "global_step": 12, "state_dict": {"w": weights},
+            "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]}}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (a["epoch"], a["global_step"], a["optimizer"]) == (b["epoch"], b["global_step"], b["optimizer"]) \
+        and torch.equal(a["state_dict"]["w"], b["state_dict"]["w"])
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # a flipped protocol byte
+@pytest.mark.parametrize("sealed", [True, False], ids=["ours", "without-checksum"])
+def test_no_flipped_bit_loads_other_numbers_or_reads_as_code(tmp_path, sealed):
+    """Every byte of a checkpoint, one bit flipped: the same payload, or one line that is not a refusal of code."""
+    from naflex_accum.train.checkpoint import save_checkpoint
+
+    path, damaged = tmp_path / "epoch_3.pt", tmp_path / "flipped.pt"
+    save_checkpoint(path, _payload()) if sealed else torch.save(_payload(), path)
+    raw, outcomes = path.read_bytes(), set()
+    for at in range(len(raw)):
+        flipped = bytearray(raw)
+        flipped[at] ^= 0x10
+        damaged.write_bytes(bytes(flipped))
+        try:
+            assert _same(load_payload(damaged), _payload()), f"byte {at}: loaded other numbers"
+            outcomes.add("same")
+        except UsageError as exc:
+            assert "refused" not in str(exc) and len(str(exc).splitlines()) == 1, f"byte {at}: {exc}"
+            outcomes.add(str(exc).split(": ", 2)[1])
+    assert {"same", "damaged"} <= outcomes
+
+
+def test_a_flipped_pickle_byte_is_named_as_damage(tmp_path):
+    torch.save(_payload(), tmp_path / "epoch_3.pt")
+    raw = bytearray((tmp_path / "epoch_3.pt").read_bytes())
+    at = raw.index(b"collections")  # the optimizer's OrderedDict would read as an unknown global
+    raw[at + 4] ^= 0x10
+    (tmp_path / "epoch_3.pt").write_bytes(bytes(raw))
+    with pytest.raises(UsageError, match=r"^--resume \S+epoch_3.pt: damaged: epoch_3/data.pkl does not match the "
+                                         r"CRC-32 it was written with; the file changed after it was written"):
+        load_payload(tmp_path / "epoch_3.pt")
