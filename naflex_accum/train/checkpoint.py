@@ -172,7 +172,13 @@ def _refuse_damage(path: Path, flag: str, pickle_only: bool) -> None:
     try:
         archive = zipfile.ZipFile(path)
     except Exception:
-        return  # not a zip, or its directory is damaged: torch.load's own error says more
+        with open(path, "rb") as f:
+            zipped = f.read(4) == ZIP_START
+        if zipped and not pickle_only:  # torch.load failed too: miniz's "central directory" or an EINVAL
+            raise UsageError(f"{flag} {path}: incomplete: the zip directory at the end of the file is missing or "
+                             f"damaged (a save, copy or download that did not finish?); use another checkpoint") \
+                from None
+        return  # the legacy format (a plain pickle): torch.load's own error says more
     with archive:
         members = archive.infolist()
         for member in members:

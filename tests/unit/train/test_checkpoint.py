@@ -17,7 +17,8 @@ def test_load_payload_refuses_code_and_garbage(tmp_path):
                                          r"argparse.Namespace"):
         load_payload(tmp_path / "code.pt", flag="--pretrained")
     (tmp_path / "junk.pt").write_bytes(b"PK\x03\x04" + b"\x00" * 100)  # a zip's start, then garbage
-    with pytest.raises(UsageError, match="--resume .*junk.pt: cannot read this file"):
+    with pytest.raises(UsageError, match="--resume .*junk.pt: incomplete: the zip directory at the end of the file "
+                                         r"is missing or damaged \(a save, copy or download that did not finish\?\)"):
         load_payload(tmp_path / "junk.pt")
     from safetensors.torch import save_file
     save_file({"w": torch.ones(2)}, str(tmp_path / "w.safetensors"))
@@ -143,3 +144,16 @@ def test_a_flipped_pickle_byte_is_named_as_damage(tmp_path):
     with pytest.raises(UsageError, match=r"^--resume \S+epoch_3.pt: damaged: epoch_3/data.pkl does not match the "
                                          r"CRC-32 it was written with; the file changed after it was written"):
         load_payload(tmp_path / "epoch_3.pt")
+
+
+def test_a_truncated_checkpoint_is_named_incomplete_at_every_length(tmp_path):
+    from naflex_accum.train.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "epoch_3.pt", _payload())
+    raw = (tmp_path / "epoch_3.pt").read_bytes()
+    for length in range(4, len(raw), 7):
+        (tmp_path / "cut.pt").write_bytes(raw[:length])
+        with pytest.raises(UsageError, match=r"^--resume \S+cut.pt: incomplete: the zip directory at the end of the "
+                                             r"file is missing or damaged \(a save, copy or download that did not "
+                                             r"finish\?\); use another checkpoint$"):
+            load_payload(tmp_path / "cut.pt")
