@@ -18,10 +18,13 @@ warning, not the end of the run. Names:
 ``--save-most-recent``, and a stop request inside an epoch), ``step_G.pt``
 (``--save-every-n-steps``, after optimizer step G).
 """
+import importlib.util
 import logging
 import os
 import pickle
 import re
+import sys
+import types
 import zipfile
 from pathlib import Path
 from typing import List, Optional, Set, Tuple
@@ -31,7 +34,7 @@ from safetensors.torch import load_file
 
 from ..data.workers import held as held_worker_failures
 from ..errors import UsageError, WriteError
-from .integrity import changed_parts, seal, sealed
+from .integrity import Unverifiable, changed_parts, seal, sealed
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +122,37 @@ def fsync_dir(folder: Path) -> None:
 
 
 def _refused_global(exc: Exception) -> Optional[str]:
-    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+    # torch's two wordings: a global outside the allow-list, and one from a blocked module (os, subprocess, ...)
+    m = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+?)(?: was| whose|$|\s)", str(exc))
     return m.group(1) if m else None
+
+
+def _provided(name: str) -> bool:
+    """Whether an installed module provides global ``name`` (``module.attribute``), judged without importing
+    anything new: unknown when its module is not imported yet (then True, so a refusal stays a refusal)."""
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return False
+    try:
+        if importlib.util.find_spec(parts[0]) is None:
+            return False
+    except (ImportError, ValueError):
+        return False
+    for cut in range(len(parts) - 1, 0, -1):  # the longest prefix imported already
+        owner = sys.modules.get(".".join(parts[:cut]))
+        if owner is None:
+            continue
+        for i, part in enumerate(parts[cut:], start=cut):
+            found = vars(owner).get(part) if hasattr(owner, "__dict__") else None
+            if found is None:  # a submodule not imported yet is provided if it is installed
+                try:
+                    return isinstance(owner, types.ModuleType) and \
+                        importlib.util.find_spec(".".join(parts[:i + 1])) is not None
+                except (ImportError, ValueError):
+                    return False
+            owner = found
+        return True
+    return True
 
 
 def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
@@ -133,7 +165,10 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
     """
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"{flag} {path}: no such file")
+        what = "no such file" if not os.path.lexists(path) else \
+            "a broken or looping symbolic link" if not path.exists() else \
+            "a folder, not a file" if path.is_dir() else "not a regular file (a device, pipe or socket)"
+        raise UsageError(f"{flag} {path}: {what}")
     if _format(path, flag) == "safetensors":
         return _load_safetensors(path, flag)
     try:
@@ -146,7 +181,11 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
     _refuse_damage(path, flag, pickle_only=mmap or (isinstance(payload, dict) and sealed(payload)))
     if not isinstance(payload, dict):
         raise UsageError(f"{flag} {path}: holds a {type(payload).__name__}, not a checkpoint dict or state_dict")
-    changed = [] if mmap else changed_parts(payload)  # mapped: the tensors are not read, so not checked
+    try:
+        changed = [] if mmap else changed_parts(payload)  # mapped: the tensors are not read, so not checked
+    except Unverifiable as exc:
+        raise UsageError(f"{flag} {path}: its checksum cannot be verified: {exc}; not a checkpoint this trainer "
+                         f"wrote, or a damaged one; use another checkpoint") from None
     if changed:
         raise UsageError(f"{flag} {path}: its checksum does not match ({', '.join(changed)} changed): the file "
                          f"changed after it was written (a disk or copy fault); use another checkpoint")
@@ -156,6 +195,9 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
 def _unreadable(path: Path, flag: str, exc: Exception) -> UsageError:
     """Why ``torch.load`` failed on an undamaged file, in one line: code it would run, or what broke."""
     name = _refused_global(exc) if isinstance(exc, pickle.UnpicklingError) else None
+    if name is not None and not _provided(name):  # a legacy-format file (no CRC) with a flipped bit, mostly
+        return UsageError(f"{flag} {path}: cannot read this file: its pickle names {name!r}, which no installed "
+                          f"module provides (a damaged file, or one written by a program not installed here)")
     if name is not None:
         return UsageError(f"{flag} {path}: refused: opening it would import and run {name}; only tensors, "
                           f"numbers, strings and containers of them are read (re-save the file's state_dict "
@@ -186,8 +228,8 @@ def _refuse_damage(path: Path, flag: str, pickle_only: bool) -> None:
                 # torch's reader serves as empty
                 raise UsageError(f"{flag} {path}: damaged: {member.filename} is marked as a folder in the zip; the "
                                  f"file changed after it was written (a disk or copy fault); use another checkpoint")
-        if pickle_only:
-            members = [m for m in members if m.filename.rsplit("/", 1)[-1] == "data.pkl"]
+        if pickle_only:  # torch's reader matches names regardless of case; none found: every member
+            members = [m for m in members if m.filename.rsplit("/", 1)[-1].lower() == "data.pkl"] or members
         for member in members:
             try:
                 with archive.open(member) as stream:
@@ -238,9 +280,15 @@ def load_checkpoint(path, flag: str = "--resume", mmap: bool = False) -> dict:
     return payload
 
 
-def position(payload: dict) -> Tuple[int, int, int]:
-    """How far into the run a payload is: (global step, epoch, step in epoch); larger is later."""
-    return (int(payload.get("global_step", 0)), int(payload["epoch"]), int(payload.get("step_in_epoch", 0)))
+def position(payload: dict, where: str = "--resume") -> Tuple[int, int, int]:
+    """How far into the run a payload is: (global step, epoch, step in epoch); larger is later. Counters that
+    are not whole numbers are one line naming ``where`` (the flag and file)."""
+    try:
+        return (int(payload.get("global_step", 0)), int(payload["epoch"]), int(payload.get("step_in_epoch", 0)))
+    except (TypeError, ValueError, KeyError, OverflowError):
+        counters = {k: payload.get(k) for k in ("global_step", "epoch", "step_in_epoch") if k in payload}
+        raise UsageError(f"{where}: not a training checkpoint of a run: its counters are not whole numbers "
+                         f"({', '.join(f'{k}={v!r:.40}' for k, v in counters.items())})") from None
 
 
 def checkpoint_files(folder: Path) -> List[Path]:
@@ -253,9 +301,10 @@ def checkpoint_files(folder: Path) -> List[Path]:
 def file_position(path: Path) -> Tuple[int, int, int]:
     """``position`` of a checkpoint file, reading its structure only (its tensors are mapped, not read or checked)."""
     try:  # mmap: only the pickled structure is read, not the tensors
-        return position(load_checkpoint(path, mmap=True))
+        payload = load_checkpoint(path, mmap=True)
     except UsageError:  # a legacy (non-zip) file cannot be mapped; a damaged one fails again below
-        return position(load_checkpoint(path))
+        payload = load_checkpoint(path)
+    return position(payload, f"--resume {path}")
 
 
 def newest_loadable(folder: Path) -> Tuple[Optional[Path], Optional[dict]]:

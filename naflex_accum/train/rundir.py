@@ -225,7 +225,7 @@ def _claim_on_master(args, claim: Claim) -> tuple:
                              f"one of them with --resume PATH")
     elif args.resume is not None:
         claim.resume, claim.payload = Path(args.resume), load_checkpoint(args.resume)
-        claim.where = position(claim.payload)
+        claim.where = position(claim.payload, f"--resume {args.resume}")
     return args.name, (str(claim.resume) if claim.resume else None)
 
 

@@ -157,3 +157,121 @@ def test_a_truncated_checkpoint_is_named_incomplete_at_every_length(tmp_path):
                                              r"file is missing or damaged \(a save, copy or download that did not "
                                              r"finish\?\); use another checkpoint$"):
             load_payload(tmp_path / "cut.pt")
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_a_legacy_format_file_with_a_flipped_bit_is_never_read_as_code(tmp_path):
+    """torch's pre-zip format has no CRC: a flip may load other numbers (docs/long-runs.md), but a flipped global's
+    name is named as a module nobody has installed, and nothing is a traceback."""
+    from naflex_accum.train.integrity import seal
+
+    path, damaged = tmp_path / "legacy.pt", tmp_path / "flipped.pt"
+    torch.save(seal(_payload()), path, _use_new_zipfile_serialization=False)
+    raw, outcomes = path.read_bytes(), set()
+    for at in range(len(raw)):
+        flipped = bytearray(raw)
+        flipped[at] ^= 0x10
+        damaged.write_bytes(bytes(flipped))
+        try:
+            load_payload(damaged)
+        except UsageError as exc:
+            assert "refused" not in str(exc) and len(str(exc).splitlines()) == 1, f"byte {at}: {exc}"
+            outcomes.add(str(exc).split("flipped.pt: ", 1)[1])
+    assert "cannot read this file: its pickle names 'dorch._utils._rebuild_tensor_v2', which no installed module " \
+           "provides (a damaged file, or one written by a program not installed here)" in outcomes  # 't' ^ 0x10
+
+
+class _Runs:
+    """Pickled as a call to os.system: what a hostile checkpoint holds."""
+
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def test_a_file_that_would_run_a_blocked_module_is_refused_as_code(tmp_path):
+    torch.save({"epoch": 1, "x": _Runs()}, tmp_path / "evil.pt")
+    with pytest.raises(UsageError, match=r"evil.pt: refused: opening it would import and run posix.system; only "):
+        load_payload(tmp_path / "evil.pt")
+
+
+def _sealed_with(tmp_path, name: str, payload: dict, parts=None) -> "os.PathLike":
+    from naflex_accum.train.integrity import ALGORITHM, CHECKSUM_KEY, seal
+
+    payload = seal(payload) if parts is None else {**payload, CHECKSUM_KEY: {"algorithm": ALGORITHM, "parts": parts}}
+    torch.save(payload, tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")
+def test_structures_the_checksum_cannot_walk_are_one_line_and_quick(tmp_path):
+    import time
+
+    shared = [torch.zeros(1)]
+    for _ in range(7):  # 10**7 references to one tensor in a file of 2 KB
+        shared = [shared] * 10
+    cases = {
+        "parts-list.pt": ({"epoch": 1}, [1, 2], r"its checksum does not match \(checksum changed\)"),
+        "parts-keys.pt": ({"epoch": 1}, {"epoch": 1, 2: 3}, r"its checksum does not match \(checksum changed\)"),
+        "sparse.pt": ({"epoch": 1, "s": torch.eye(3).to_sparse()}, {},
+                      r"its checksum cannot be verified: a tensor's bytes cannot be read"),
+        "bomb.pt": ({"epoch": 1, "x": shared}, {}, r"its checksum cannot be verified: a container is referenced over "
+                                                   r"100,000 times; not a checkpoint this trainer wrote, or a damaged"),
+    }
+    for name, (payload, parts, message) in cases.items():
+        path = _sealed_with(tmp_path, name, payload, parts)
+        started = time.perf_counter()
+        with pytest.raises(UsageError, match=rf"^--resume \S+{name}: {message}"):
+            load_payload(path)
+        assert time.perf_counter() - started < 60, name  # the bomb took hours before it was bounded
+
+
+def test_nesting_deeper_than_the_recursion_limit_is_one_line(tmp_path):
+    nested: list = []
+    for _ in range(5000):
+        nested = [nested]
+    import sys
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # torch.save's pickler recurses too
+    try:
+        path = _sealed_with(tmp_path, "deep.pt", {"epoch": 1, "x": nested}, {})
+    finally:
+        sys.setrecursionlimit(limit)
+    with pytest.raises(UsageError, match=r"deep.pt: its checksum cannot be verified: nested deeper than Python's "):
+        load_payload(path)
+
+
+def test_what_is_not_a_file_says_what_it_is(tmp_path):
+    (tmp_path / "folder.pt").mkdir()
+    (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
+    os.mkfifo(tmp_path / "fifo.pt")
+    for name, what in (("folder.pt", "a folder, not a file"), ("loop.pt", "a broken or looping symbolic link"),
+                       ("fifo.pt", r"not a regular file \(a device, pipe or socket\)"), ("none.pt", "no such file")):
+        with pytest.raises(UsageError, match=rf"^--pretrained \S+{name}: {what}$"):
+            load_payload(tmp_path / name, flag="--pretrained")
+
+
+def test_a_pickle_renamed_in_the_zip_directory_is_still_checked(tmp_path):
+    from naflex_accum.train.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "epoch_3.pt", _payload())
+    raw = bytearray((tmp_path / "epoch_3.pt").read_bytes())
+    import zipfile
+    pickle_name = next(n for n in zipfile.ZipFile(tmp_path / "epoch_3.pt").namelist() if n.endswith("/data.pkl"))
+    name = raw.index(pickle_name.encode(), raw.index(b"PK\x01\x02"))
+    raw[name + len(pickle_name) - len("ta.pkl")] ^= 0x20  # 'daTa.pkl': torch's reader still finds it
+    raw[raw.index(b"crc32-v1") + 7] ^= 0x01  # and the checksum's version reads as another one
+    (tmp_path / "epoch_3.pt").write_bytes(bytes(raw))
+    with pytest.raises(UsageError, match=r"epoch_3.pt: damaged: \S+/daTa.pkl cannot be read \(File name in directory"):
+        load_payload(tmp_path / "epoch_3.pt")
+
+
+def test_latest_skips_a_checkpoint_whose_counters_are_not_numbers(tmp_path, caplog):
+    from naflex_accum.train.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "epoch_1.pt", {**_payload(), "epoch": 1, "global_step": 4})
+    torch.save({**_payload(), "epoch": None}, tmp_path / "epoch_2.pt")
+    torch.save({**_payload(), "epoch": 3, "global_step": "nine"}, tmp_path / "epoch_3.pt")
+    path, payload = newest_loadable(tmp_path)
+    assert path == tmp_path / "epoch_1.pt" and payload["global_step"] == 4
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skipped) == 2 and all("its counters are not whole numbers" in line for line in skipped), skipped
