@@ -9,9 +9,10 @@ verifies; a torch file's bytes that differ from the CRC-32s its zip recorded
 checksum, or once a read has failed) are named as damage, never as a refused or
 foreign file, nor read as other numbers; reading never runs code from the file
 (``torch.load(weights_only=True)`` with the allow-list below) and a file that is
-neither a torch checkpoint nor safetensors is named as such; ``--resume latest`` takes the checkpoint furthest
-into the run, at the top level of ``checkpoints/`` (the current branch,
-``lineage``), that loads and verifies, skipping the others with a warning;
+neither a torch checkpoint nor safetensors is named as such; ``--resume latest``
+takes the checkpoint furthest into the run, at the top level of ``checkpoints/``
+(the current branch, ``lineage``), that loads and verifies, skipping the others
+with a warning;
 retention never deletes the file just written, and a file it cannot delete is a
 warning, not the end of the run. Names:
 ``epoch_K.pt`` (end of epoch K, open_clip's), ``epoch_latest.pt`` (open_clip's

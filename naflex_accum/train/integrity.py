@@ -32,7 +32,7 @@ def _crc(value, crc: int = 0, seen: Optional[dict] = None) -> int:
     """``crc`` extended with ``value``: tensors by dtype, shape and bytes, containers item by item, in order
     (``seen``: the containers walked so far, and how many were walked again)."""
     seen = {"ids": set(), "repeats": 0} if seen is None else seen
-    if isinstance(value, (dict, list, tuple)):
+    if isinstance(value, (dict, list, tuple)) and value:  # () is one object wherever it appears
         if id(value) in seen["ids"]:
             seen["repeats"] += 1
             if seen["repeats"] > MAX_REPEATS:

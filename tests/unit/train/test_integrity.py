@@ -51,3 +51,9 @@ def test_unsealed_and_other_versions_are_not_checked():
     out[CHECKSUM_KEY]["algorithm"] = "crc32-v2"
     out["epoch"] = 99
     assert changed_parts(out) == []
+
+
+def test_many_empty_containers_are_not_a_bomb():
+    """``()`` is one object wherever it appears: a payload holding 200,000 of them seals and verifies."""
+    payload = seal({"epoch": 1, "rows": [((), [], {}) for _ in range(200_000)]})
+    assert changed_parts(payload) == []
