@@ -113,25 +113,36 @@ def _same(a: dict, b: dict) -> bool:
         and torch.equal(a["state_dict"]["w"], b["state_dict"]["w"])
 
 
+def _each_byte_flipped(path):
+    """``(byte, what load_payload gave)`` for each byte of ``path`` with bit 0x10 flipped, in a copy beside it:
+    a payload or a one-line ``UsageError`` that is not a refusal of code (asserted here)."""
+    raw, damaged = path.read_bytes(), path.with_name("flipped.pt")
+    for at in range(len(raw)):
+        flipped = bytearray(raw)
+        flipped[at] ^= 0x10
+        damaged.write_bytes(bytes(flipped))
+        try:
+            yield at, load_payload(damaged)
+        except UsageError as exc:
+            assert "refused" not in str(exc) and len(str(exc).splitlines()) == 1, f"byte {at}: {exc}"
+            yield at, exc
+
+
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # a flipped protocol byte
 @pytest.mark.parametrize("sealed", [True, False], ids=["ours", "without-checksum"])
 def test_no_flipped_bit_loads_other_numbers_or_reads_as_code(tmp_path, sealed):
     """Every byte of a checkpoint, one bit flipped: the same payload, or one line that is not a refusal of code."""
     from naflex_accum.train.checkpoint import save_checkpoint
 
-    path, damaged = tmp_path / "epoch_3.pt", tmp_path / "flipped.pt"
+    path = tmp_path / "epoch_3.pt"
     save_checkpoint(path, _payload()) if sealed else torch.save(_payload(), path)
-    raw, outcomes = path.read_bytes(), set()
-    for at in range(len(raw)):
-        flipped = bytearray(raw)
-        flipped[at] ^= 0x10
-        damaged.write_bytes(bytes(flipped))
-        try:
-            assert _same(load_payload(damaged), _payload()), f"byte {at}: loaded other numbers"
+    outcomes = set()
+    for at, loaded in _each_byte_flipped(path):
+        if isinstance(loaded, UsageError):
+            outcomes.add(str(loaded).split(": ", 2)[1])
+        else:
+            assert _same(loaded, _payload()), f"byte {at}: loaded other numbers"
             outcomes.add("same")
-        except UsageError as exc:
-            assert "refused" not in str(exc) and len(str(exc).splitlines()) == 1, f"byte {at}: {exc}"
-            outcomes.add(str(exc).split(": ", 2)[1])
     assert {"same", "damaged"} <= outcomes
 
 
@@ -165,18 +176,10 @@ def test_a_legacy_format_file_with_a_flipped_bit_is_never_read_as_code(tmp_path)
     name is named as a module nobody has installed, and nothing is a traceback."""
     from naflex_accum.train.integrity import seal
 
-    path, damaged = tmp_path / "legacy.pt", tmp_path / "flipped.pt"
+    path = tmp_path / "legacy.pt"
     torch.save(seal(_payload()), path, _use_new_zipfile_serialization=False)
-    raw, outcomes = path.read_bytes(), set()
-    for at in range(len(raw)):
-        flipped = bytearray(raw)
-        flipped[at] ^= 0x10
-        damaged.write_bytes(bytes(flipped))
-        try:
-            load_payload(damaged)
-        except UsageError as exc:
-            assert "refused" not in str(exc) and len(str(exc).splitlines()) == 1, f"byte {at}: {exc}"
-            outcomes.add(str(exc).split("flipped.pt: ", 1)[1])
+    outcomes = {str(loaded).split("flipped.pt: ", 1)[1] for _, loaded in _each_byte_flipped(path)
+                if isinstance(loaded, UsageError)}
     assert "cannot read this file: its pickle names 'dorch._utils._rebuild_tensor_v2', which no installed module " \
            "provides (a damaged file, or one written by a program not installed here)" in outcomes  # 't' ^ 0x10
 
