@@ -23,7 +23,7 @@ fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   default_spec="torch==2.14.1 torchvision==0.29.1"
   if [ "$TORCH_SPEC" = "$default_spec" ] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    # torch 2.14.1's CUDA build takes about 5.6 GB once installed; pip's own failure would be a traceback
+    # torch 2.14.1's CUDA build takes about 5.8 GB once installed; pip's own failure would be a traceback
     free_kb=$(df -Pk "$VENV" | awk 'NR == 2 {print $4}')
     if [ "${free_kb:-0}" -lt $((6 * 1024 * 1024)) ]; then
       echo "setup: $default_spec needs about 6 GB in $VENV; only $((free_kb / 1024)) MB are free there." \

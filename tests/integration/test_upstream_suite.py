@@ -86,8 +86,8 @@ def sessions(upstream_src, tmp_path_factory):
     for name, (root, proc) in runs.items():
         out, _ = proc.communicate(timeout=TIMEOUT)
         done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, ""), _outcomes(root / "junit.xml"))
-        for scratch in ("logs", "pytest-tmp"):  # what failing tests kept, and upstream's run folders
-            shutil.rmtree(root / scratch, ignore_errors=True)
+        for folder in ("logs", "pytest-tmp"):  # what failing tests kept, and upstream's run folders
+            shutil.rmtree(root / folder, ignore_errors=True)
     return done
 
 
