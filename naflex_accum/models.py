@@ -12,24 +12,31 @@ adds a few named sizes to timm's registry; it runs only when called (by
 ``create_model`` here, or ``register()``), never at import. ``register()`` is the
 one step before plain open_clip or timm builds these models (an exported model,
 a checkpoint): the timm sizes, and the model configs under open_clip's names.
+
+A model for several patch sizes (``patch_sizes``) has the same parameters and
+state_dict keys; its tower is timm's own built with ``enable_patch_interpolator=True``
+(FlexiViT: the patch embedding resampled to each batch's patch size). open_clip
+3.3.0 passes no model arguments to timm, so the config names it by a timm name
+registered here: the tower's name with ``_flexi`` (``any_patch_size``).
 """
 import copy
 import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import open_clip
+import timm
 import torch.nn as nn
 from open_clip.coca_model import CoCa
 from open_clip.model import CLIP
 from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
-from timm.layers import PatchEmbedInterpolator
-from timm.models import build_model_with_cfg, is_model, register_model
+from timm.models import build_model_with_cfg, is_model, register_model, split_model_name_tag
 from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg, checkpoint_filter_fn
 
 CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+ANY_PATCH_SUFFIX = "_flexi"  # a timm tower's name + this: the same tower taking any patch size
 
 # Extra timm NaFlexVit sizes: name -> NaFlexVitCfg fields.
 TIMM_SIZES = {
@@ -45,7 +52,8 @@ default_cfgs: dict = {}
 
 
 def register_timm_models() -> None:
-    """Add the NaFlexVit sizes above to timm's registry (idempotent), through timm's public API."""
+    """Add the NaFlexVit sizes above, and every NaFlexVit's any-patch-size name, to timm's registry
+    (idempotent), through timm's public API."""
     for name, fields in TIMM_SIZES.items():
         if is_model(name):
             continue
@@ -61,6 +69,26 @@ def register_timm_models() -> None:
         factory.__name__ = name
         factory.__module__ = __name__
         register_model(factory)
+    for name in timm.list_models("naflexvit_*"):
+        any_patch_size(name)
+
+
+def any_patch_size(timm_name: str) -> str:
+    """The timm name, registered here, of tower ``timm_name`` taking unflattened ``[B, L, P, P, C]`` patches
+    of any patch size: ``timm.create_model(timm_name, enable_patch_interpolator=True)``, timm's own
+    build-time option (its interpolator has no parameters: the state_dict is the plain tower's)."""
+    base, tag = split_model_name_tag(timm_name)
+    if not base.endswith(ANY_PATCH_SUFFIX):
+        variant = base + ANY_PATCH_SUFFIX
+        if not is_model(variant):
+            def factory(pretrained: bool = False, _base=base, **kwargs):
+                return timm.create_model(_base, pretrained, **dict(kwargs, enable_patch_interpolator=True))
+
+            factory.__name__ = variant
+            factory.__module__ = __name__
+            register_model(factory)
+        base = variant
+    return f"{base}.{tag}" if tag else base
 
 
 def _build_naflexvit(name: str, pretrained: bool, cfg: NaFlexVitCfg, out_indices=3, **kwargs) -> NaFlexVit:
@@ -73,8 +101,9 @@ def _build_naflexvit(name: str, pretrained: bool, cfg: NaFlexVitCfg, out_indices
 
 
 def register() -> None:
-    """Let plain open_clip and timm build these models: timm's registry gets the NaFlexVit sizes above,
-    open_clip's the model configs by name (``open_clip.create_model("naflex-B-16")``). Idempotent."""
+    """Let plain open_clip and timm build these models: timm's registry gets the NaFlexVit sizes above and
+    the ``_flexi`` names (an export of a model trained with several patch sizes names one), open_clip's the
+    model configs by name (``open_clip.create_model("naflex-B-16")``). Idempotent."""
     register_timm_models()
     if not set(list_models()) <= set(open_clip.list_models()):
         open_clip.add_model_config(CONFIG_DIR)
@@ -123,19 +152,22 @@ def create_model(
         siglip: Optional[bool] = None,
         patch_dropout: Optional[float] = None,
         drop_path: Optional[float] = None,
+        patch_sizes: Optional[Sequence[int]] = None,
         text_dropout: float = 0.0,
         grad_checkpointing: bool = False,
 ):
     """An open_clip ``CLIP`` with a NaFlexVit image tower, returning a dict.
 
+    ``patch_sizes`` (``--naflex-patch-sizes``): with more than one, the tower
+    takes unflattened patches of any size (see the module).
     ``siglip`` forces a ``logit_bias`` (init -10, logit scale init ln 10, as
     SigLIP) on or off; ``None`` keeps what the config says.
     ``grad_checkpointing`` calls the model's own ``set_grad_checkpointing(True)``
     (timm NaFlexVit's blocks and open_clip's text transformer).
     """
     register_timm_models()
-    model = CLIP(**model_config(name_or_config, siglip=siglip, patch_dropout=patch_dropout, drop_path=drop_path),
-                 output_dict=True)
+    model = CLIP(**model_config(name_or_config, siglip=siglip, patch_dropout=patch_dropout, drop_path=drop_path,
+                                patch_sizes=patch_sizes), output_dict=True)
     if text_dropout:
         set_text_dropout(model, text_dropout)
     if grad_checkpointing:
@@ -144,10 +176,17 @@ def create_model(
 
 
 def model_config(name_or_config="naflex-tiny", *, siglip: Optional[bool] = None,
-                 patch_dropout: Optional[float] = None, drop_path: Optional[float] = None) -> dict:
+                 patch_dropout: Optional[float] = None, drop_path: Optional[float] = None,
+                 patch_sizes: Optional[Sequence[int]] = None) -> dict:
     """The open_clip ``model_cfg`` ``create_model`` builds ``CLIP`` from (a copy; see there for the options):
-    the same dict builds the same model in open_clip's own factory."""
+    the same dict builds the same model in open_clip's own factory (after ``register()``)."""
     cfg = copy.deepcopy(name_or_config if isinstance(name_or_config, dict) else load_config(name_or_config))
+    if patch_sizes is not None and len(patch_sizes) > 1:
+        tower = cfg["vision_cfg"].get("timm_model_name")
+        if not tower:
+            raise ValueError(f"--naflex-patch-sizes {' '.join(map(str, patch_sizes))}: several patch sizes need a "
+                             f"timm NaFlexVit image tower (vision_cfg.timm_model_name); this model config has none")
+        cfg["vision_cfg"]["timm_model_name"] = any_patch_size(tower)
     if patch_dropout is not None:
         cfg["vision_cfg"]["patch_dropout"] = patch_dropout
     if drop_path is not None:
@@ -218,18 +257,3 @@ def create_coca_model(config: Optional[dict] = None, *, patch_dropout: Optional[
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
     return model
-
-
-def enable_patch_sizes(model) -> None:
-    """Let the NaFlexVit tower take unflattened [B, L, P, P, C] patches of any patch size.
-
-    timm resamples the patch-embedding weights per patch size (FlexiViT). The
-    interpolator has no parameters, so state_dict keys are unchanged and a
-    checkpoint still loads into the plain config.
-    """
-    embeds = model.visual.trunk.embeds
-    if getattr(embeds, "patch_interpolator", None) is None:
-        embeds.patch_interpolator = PatchEmbedInterpolator(
-            base_patch_size=tuple(embeds.patch_size), in_chans=3, embed_dim=embeds.proj.out_features,
-            channels_last=True, device=embeds.proj.weight.device)
-    embeds.enable_patch_interpolator = True

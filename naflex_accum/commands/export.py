@@ -11,14 +11,18 @@ does not fit its model is refused instead of exported. A DDP, FSDP or
 ``_orig_mod.`` are dropped from its keys). The export is made in a hidden
 folder beside DIR and renamed into place, so a failed one leaves nothing; it
 never writes over anything: an existing non-empty DIR is refused. The model comes from ``--model``, else from
-the ``params.txt`` of the run folder holding CHECKPOINT. Every bad input is
-one line, exit 2.
+the ``params.txt`` of the run folder holding CHECKPOINT. A model trained with
+several ``--naflex-patch-sizes`` (the checkpoint's schedule, else that
+params.txt) exports as the trainer built it, taking every patch size
+(``models.any_patch_size``); both configs record the sizes as
+``naflex_patch_sizes``. Every bad input is one line, exit 2.
 """
+import ast
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from open_clip.timm_model import TimmModel
@@ -59,9 +63,14 @@ def export(checkpoint, folder, model_name: Optional[str] = None) -> List[str]:
     """Write ``checkpoint``'s model into ``folder`` (see the module); returns the files written, relative."""
     check_destination(Path(folder))
     payload = load_checkpoint(checkpoint, flag="CHECKPOINT")
+    params, entries = run_params(Path(checkpoint))
     source = "--model"
     if model_name is None:
-        source, model_name = run_folder_model(Path(checkpoint))
+        if params is None:
+            raise UsageError(f"CHECKPOINT {checkpoint}: no run folder's params.txt above it names the model; pass "
+                             f"--model ({', '.join(list_models())}, or a JSON config)")
+        source, model_name = params, entries["model"]
+    sizes = trained_patch_sizes(payload, f"CHECKPOINT {checkpoint}: its schedule", params, entries)
     weights = payload["state_dict"]
     if not isinstance(weights, dict) or not weights or not all(torch.is_tensor(v) for v in weights.values()):
         raise UsageError(f"CHECKPOINT {checkpoint}: its state_dict holds no tensors")
@@ -72,13 +81,17 @@ def export(checkpoint, folder, model_name: Optional[str] = None) -> List[str]:
         raise UsageError(f"{exc}" if source == "--model" else f"{source} names model {model_name!r}, which is not a "
                          f"model config here; pass --model ({', '.join(list_models())}, or a JSON config)") from None
     try:
+        cfg = model_config(cfg, patch_sizes=sizes)
+    except ValueError as exc:
+        raise UsageError(f"CHECKPOINT {checkpoint}: {exc}") from None
+    try:
         model = create_model(cfg)
     except (TypeError, KeyError, RuntimeError) as exc:  # keys CLIP does not take, a tower timm does not know
         first = (str(exc).splitlines() or [""])[0]
         raise UsageError(f"model {model_name!r}: open_clip cannot build it ({type(exc).__name__}: {first})") from None
     # the prefixes DDP and torch.compile add go (timm's clean_state_dict), 1-dim logit parameters (FSDP) fit
     model.load_state_dict(check_fits(model, state_dict, f"CHECKPOINT {checkpoint}", model_name))
-    return write(model.eval(), cfg, Path(folder))
+    return write(model.eval(), cfg, Path(folder), sizes)
 
 
 def check_destination(folder: Path) -> None:
@@ -89,20 +102,44 @@ def check_destination(folder: Path) -> None:
                          f"overwritten)")
 
 
-def run_folder_model(checkpoint: Path) -> Tuple[str, str]:
-    """``(params.txt, its model)`` of the run folder above ``checkpoint`` (``checkpoints/``, or a branch's
-    ``checkpoints/abandoned-N/``)."""
+def run_params(checkpoint: Path) -> Tuple[Optional[str], Dict[str, str]]:
+    """``(path, {name: value})`` of the ``params.txt`` naming the model in the run folder above ``checkpoint``
+    (``checkpoints/``, or a branch's ``checkpoints/abandoned-N/``); ``(None, {})`` where there is none."""
     for folder in list(checkpoint.resolve().parents)[:3]:
         params = folder / "params.txt"
         if params.is_file():
-            for line in params.read_text(errors="replace").splitlines():
-                if line.startswith("model: "):
-                    return str(params), line[len("model: "):].strip()
-    raise UsageError(f"CHECKPOINT {checkpoint}: no run folder's params.txt above it names the model; pass --model "
-                     f"({', '.join(list_models())}, or a JSON config)")
+            lines = (line.partition(": ") for line in params.read_text(errors="replace").splitlines())
+            entries = {name: value.strip() for name, colon, value in lines if colon}
+            if "model" in entries:
+                return str(params), entries
+    return None, {}
 
 
-def write(model, cfg: dict, folder: Path) -> List[str]:
+def trained_patch_sizes(payload: dict, schedule_name: str, params: Optional[str],
+                        entries: Dict[str, str]) -> Optional[List[int]]:
+    """The ``--naflex-patch-sizes`` the checkpoint was trained with: its own schedule (a mid-epoch checkpoint's),
+    else the run's params.txt; None where neither records them (the model's own size)."""
+    schedule = payload.get("schedule")
+    if isinstance(schedule, dict) and "naflex_patch_sizes" in schedule:
+        where, sizes = schedule_name, schedule["naflex_patch_sizes"]
+    elif "naflex_patch_sizes" in entries:
+        where, sizes = params, entries["naflex_patch_sizes"]
+        try:
+            sizes = ast.literal_eval(sizes)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            pass  # refused below, by the text
+    else:
+        return None
+    if sizes is None:  # upstream open_clip's params.txt when its --naflex-patch-sizes was left out
+        return None
+    # type() and not isinstance(): True is no patch size
+    if not (isinstance(sizes, (list, tuple)) and sizes and all(type(size) is int and size > 0 for size in sizes)):
+        raise UsageError(f"{where}: naflex_patch_sizes {sizes!r} is not a list of patch sizes (integers >= 1, as "
+                         f"--naflex-patch-sizes takes)")
+    return list(sizes)
+
+
+def write(model, cfg: dict, folder: Path, sizes: Optional[List[int]] = None) -> List[str]:
     """The export, made in a hidden folder beside ``folder``, then renamed to it or, into an existing empty one,
     its entries moved in (that folder stays: it may be someone's working directory)."""
     target = Path(os.path.abspath(folder))
@@ -111,7 +148,7 @@ def write(model, cfg: dict, folder: Path) -> List[str]:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        write_files(model, cfg, staging)
+        write_files(model, cfg, staging, sizes)
         written = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
         if target.is_dir():
             for entry in sorted(staging.iterdir()):
@@ -125,11 +162,14 @@ def write(model, cfg: dict, folder: Path) -> List[str]:
     return written
 
 
-def write_files(model, cfg: dict, folder: Path) -> None:
-    (folder / CONFIG_NAME).write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": PREPROCESS}, indent=2))
+def write_files(model, cfg: dict, folder: Path, sizes: Optional[List[int]]) -> None:
+    # the sizes beside model_cfg: open_clip builds CLIP from every model_cfg key and refuses unknown ones
+    record = {"naflex_patch_sizes": sizes} if sizes else {}
+    (folder / CONFIG_NAME).write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": PREPROCESS, **record}, indent=2))
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(folder / WEIGHTS_NAME))
     if isinstance(model.visual, TimmModel):
         size = cfg["vision_cfg"].get("image_size", 224)
         pretrained_cfg = dict(PREPROCESS, input_size=(3, size, size) if isinstance(size, int) else (3, *size))
-        save_for_hf(model.visual.trunk, str(folder / TIMM_FOLDER), model_config={"pretrained_cfg": pretrained_cfg},
-                    safe_serialization=True)
+        # timm records the tower's build arguments (enable_patch_interpolator among them) as model_args
+        save_for_hf(model.visual.trunk, str(folder / TIMM_FOLDER),
+                    model_config={"pretrained_cfg": pretrained_cfg, **record}, safe_serialization=True)

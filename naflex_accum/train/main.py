@@ -21,7 +21,7 @@ from ..data import DataConfig, make_train_loader, make_val_loader
 from ..data.loader import data_index
 from ..data.workers import stop_all as stop_workers
 from ..errors import QuietUsageError, UsageError, WriteError
-from ..models import create_model, enable_patch_sizes
+from ..models import create_model
 from ..tasks import create_task
 from . import fsdp
 from .checkpoint import load_checkpoint
@@ -62,7 +62,8 @@ def build_optimizer(model, args):
 def build_task(args, world, device):
     torch.manual_seed(args.seed)  # same initial weights on every rank and every resume
     try:
-        model = create_model(args.model, siglip=args.siglip, patch_dropout=args.force_patch_dropout)
+        model = create_model(args.model, siglip=args.siglip, patch_dropout=args.force_patch_dropout,
+                             patch_sizes=args.naflex_patch_sizes)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     embeds = getattr(getattr(model.visual, "trunk", None), "embeds", None)  # a timm NaFlexVit tower's
@@ -72,8 +73,6 @@ def build_task(args, world, device):
         raise UsageError(f"--naflex-patch-sizes {args.naflex_patch_sizes[0]}: --model {args.model} embeds "
                          f"{native}-pixel patches; give {native}, or several sizes (e.g. "
                          f"{args.naflex_patch_sizes[0]} {native}) to resample its patch embedding per batch")
-    if len(args.naflex_patch_sizes) > 1:
-        enable_patch_sizes(model)
     prepare_model(model, args)  # --pretrained, --lock-*, --grad-checkpointing: before DDP and the optimizer
     model.to(device)
     loss_kwargs = dict(rank=world.rank, world_size=world.world_size)

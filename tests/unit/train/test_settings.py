@@ -203,3 +203,15 @@ def test_one_patch_size_other_than_the_models_is_one_line(setup, tmp_path, capsy
     exit_2_one_line(capsys, run_argv(shards, model, tmp_path, "p", "--naflex-patch-sizes", "7", workers=0),
                     "--naflex-patch-sizes 7: --model", "embeds 16-pixel patches; give 16, or several sizes (e.g. 7 16)")
     assert not (tmp_path / "p").exists()
+
+
+def test_several_patch_sizes_without_a_timm_tower_is_one_line(setup, tmp_path, capsys):
+    """Red before: an AttributeError traceback (an open_clip ViT tower has no timm trunk to resample)."""
+    shards, _ = setup
+    vit = tmp_path / "vit.json"
+    vit.write_text(json.dumps({"embed_dim": 32, "vision_cfg": {"image_size": 32, "patch_size": 16, "layers": 1,
+                                                               "width": 32, "head_width": 16},
+                               "text_cfg": {"context_length": 32, "width": 32, "heads": 2, "layers": 1}}))
+    exit_2_one_line(capsys, run_argv(shards, str(vit), tmp_path, "v", "--naflex-patch-sizes", "8", "16", workers=0),
+                    "--naflex-patch-sizes 8 16: several patch sizes need a timm NaFlexVit image tower")
+    assert not (tmp_path / "v").exists()
