@@ -18,7 +18,10 @@ training loop to log.
 Signature and return contract match upstream's, in the generation the step
 was built for (``contract.Contract``; ``None`` follows the task's own form):
 ``None`` while a window fills, else ``(losses, report, step_batch_size, ([], {}))``
-(or ``(losses, step_batch_size, ([], {}))`` in the older generation). Task
+(or ``(losses, step_batch_size, ([], {}))`` in the older generation). A
+state passed again after its window closed, copied or mixed with another
+window's, or filled through two models is refused before the microbatch's
+forward (``window.window_cache``, ``WindowCache.check_model``). Task
 results go through ``task_result``, which refuses a form the contract does not
 know before the step uses it.
 The hooks (GradCache style) mean the same in both modes, so a variant, or a
@@ -38,14 +41,11 @@ from .contract import Contract, task_result
 from .rng import RngState
 from .scales import check_options, window_is_naflex, window_loss_scale
 from .sync import grad_sync
-from .window import LOGIT_KEYS, Microbatch, Window, WindowCache, is_naflex_batch, microbatch_size
+from .window import (CLOSED, LOGIT_KEYS, WINDOW_KEY, Microbatch, Window, WindowCache, is_naflex_batch,
+                     microbatch_size, window_cache)
 
 __all__ = ["AccumulationStep", "LOGIT_KEYS", "Microbatch", "Window", "WINDOW_KEY", "backward", "detach_values",
            "finish_step", "is_naflex_batch", "total_loss"]
-
-# accum_features belongs to the step (upstream's loop only carries it between
-# calls), so the window's bookkeeping rides in it under a key no model emits.
-WINDOW_KEY = "_naflex_accum_window"
 
 
 def total_loss(losses: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -145,25 +145,28 @@ class AccumulationStep:
             return self.single_step(task, batch, accum_state, optimizer, scaler, autocast, args)
         if accum_state is None:
             raise StepError("--accum-freq > 1 needs accum_state=([], {}) from the training loop; got None.")
+        cache = window_cache(accum_state)  # refuses a closed, copied or mixed state
         accum_batches, accum_features = accum_state
-        cache = accum_features.setdefault(WINDOW_KEY, WindowCache())
-        cache.microbatches.append(self.admit(task, batch, cache.microbatches, args))
+        cache.microbatches.append(self.admit(task, batch, cache, args))
         accum_batches.append(batch)
         if len(accum_batches) < k:
             self.cache(task, batch, cache, autocast)
             return None
 
+        accum_features[WINDOW_KEY] = CLOSED  # spent from here on, even if the backward fails
         window = self.make_window(cache.microbatches, args)
         self.window_scale = window.scale
         optimizer.zero_grad()
         losses, report, spoken = self.backward_window(task, window, cache, accum_batches, scaler, autocast)
-        del accum_features[WINDOW_KEY]
         finish_step(task, optimizer, scaler, args)
         self.steps += 1
         return spoken.step_result(losses, report, sum(window.sizes), ([], {}))
 
-    def admit(self, task, batch, records: List[Microbatch], args) -> Microbatch:
-        """Check a microbatch before its forward; capture its random state."""
+    def admit(self, task, batch, cache: WindowCache, args) -> Microbatch:
+        """Check a microbatch before its forward (its model is the window's, its kind and size fit); capture its
+        random state."""
+        cache.check_model(task.trainable_module)
+        records = cache.microbatches
         naflex = is_naflex_batch(batch)
         window_is_naflex([r.naflex for r in records] + [naflex])
         if not records:

@@ -9,9 +9,17 @@ concatenated (not a tensor, no leading dimension, other dimensions or dtype
 differing between microbatches, a key missing) is refused at the microbatch
 that shows it, with one line naming the key and the shapes: neither mode could
 build the loss inputs from it.
+
+The bookkeeping rides in the ``accum_state`` it belongs to (``window_cache``),
+counts as many microbatches as that state's batch list holds, and keeps the
+model of its first microbatch, so a state passed again after its window closed,
+one whose batches and bookkeeping disagree (two states sharing one window's
+bookkeeping, a batch added by hand, a call on it that failed midway) and a
+window filled through two models are each refused in one line before the
+microbatch's forward: Python-side counts and identity, no tensor work.
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -19,6 +27,12 @@ from ..errors import StepError, is_positive_int
 from .rng import RngState
 
 LOGIT_KEYS = ("logit_scale", "logit_bias")
+# accum_features belongs to the step (upstream's loop only carries it between
+# calls), so the window's bookkeeping rides in it under a key no model emits;
+# once the window's optimizer step is under way the key holds CLOSED instead.
+WINDOW_KEY = "_naflex_accum_window"
+CLOSED = "closed"
+FRESH = "start each window with accum_state=([], {}) and pass the accum_state the step returned"
 
 
 @dataclass
@@ -64,6 +78,7 @@ def _describe(value) -> str:
 class WindowCache:
     """The microbatches admitted so far and their cached outputs, in order."""
 
+    model: Any = None  # task.trainable_module of microbatch 0: every microbatch must come through it
     microbatches: List[Microbatch] = field(default_factory=list)
     features: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
     logits: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -101,6 +116,17 @@ class WindowCache:
                 f"so each must be a tensor with a leading dimension and the same other dimensions and dtype "
                 f"in every microbatch.")
 
+    def check_model(self, module) -> None:
+        """Refuse a microbatch that comes through another model than the window's first one."""
+        if self.model is None:
+            self.model = module
+        elif module is not self.model:
+            raise StepError(
+                f"microbatch {len(self.microbatches)} of the window came through another model "
+                f"(task.trainable_module, a {type(module).__name__}) than microbatch 0 (a "
+                f"{type(self.model).__name__}); a window's microbatches must all go through one model: "
+                f"{FRESH}, one per model.")
+
     def lengths(self, key: str) -> List[int]:
         return [t.shape[0] for t in self.features[key]]
 
@@ -111,3 +137,27 @@ class WindowCache:
     def with_live(self, j: int, model_out: Dict) -> Dict[str, torch.Tensor]:
         """The window's outputs with microbatch ``j``'s taken live from ``model_out`` (upstream's replay inputs)."""
         return {key: torch.cat(parts[:j] + [model_out[key]] + parts[j + 1:]) for key, parts in self.features.items()}
+
+
+def window_cache(accum_state) -> WindowCache:
+    """The window bookkeeping in ``accum_state`` (new for an empty state), refused unless it is the state's own."""
+    pair = isinstance(accum_state, (tuple, list))
+    if not (pair and len(accum_state) == 2 and isinstance(accum_state[0], list) and isinstance(accum_state[1], dict)):
+        parts = f" ({', '.join(type(v).__name__ for v in accum_state)})" if pair else ""
+        raise StepError(f"accum_state must be a (list, dict) pair, ([], {{}}) at a window's start; got a "
+                        f"{type(accum_state).__name__}{parts}.")
+    batches, features = accum_state
+    cache = features.get(WINDOW_KEY)
+    if cache is CLOSED:
+        raise StepError(f"this accum_state's window has already made its optimizer step, so it cannot take "
+                        f"another microbatch; {FRESH}.")
+    if cache is None:
+        if batches:
+            raise StepError(f"accum_state has {len(batches)} in its batch list but this step admitted none of them "
+                            f"(a window begun by another step, or a used state's batch list); {FRESH}.")
+        cache = features[WINDOW_KEY] = WindowCache()
+    elif not len(batches) == len(cache.microbatches) == cache.added:
+        raise StepError(f"accum_state has {len(batches)} in its batch list but its window kept outputs of "
+                        f"{cache.added} (a state copied or mixed with another, a batch added by hand, or a call "
+                        f"on it that failed midway); {FRESH}.")
+    return cache

@@ -8,8 +8,9 @@ in every part the step relies on), or when the caller forces it; the installed
 step speaks the generation found (forced: whatever each task result's form
 says); the replacement carries the original as ``__wrapped__``;
 ``uninstall()`` puts the original back only while the attribute is still
-ours, so it never undoes someone else's patch. Importing this module patches
-nothing.
+ours, so it never undoes someone else's patch. Installing over ours is a
+no-op for the same mode (and contract, if given) and a ``StepError`` for
+another, never a silent keep. Importing this module patches nothing.
 
 Replacing the module attribute is enough: upstream's ``train_one_epoch`` looks
 ``_train_step_eager`` up in its module globals at every call.
@@ -25,7 +26,7 @@ from importlib.metadata import version
 from typing import Callable, Optional
 
 from ..accum.modes import get_step, make_step, resolve_mode
-from ..errors import PatchError
+from ..errors import PatchError, StepError
 from ..ranks import process_rank
 from .probe import probe
 
@@ -108,13 +109,13 @@ def is_installed() -> bool:
     return is_ours(_current())
 
 
-def _make_replacement(original, step: Callable, name: str, found) -> Callable:
+def _make_replacement(original, step: Callable, name: str, found, mode: str) -> Callable:
     def _train_step_eager(task, batch, accum_state, optimizer, scaler, autocast, args):
         return step(task, batch, accum_state, optimizer, scaler, autocast, args)
 
     _train_step_eager.__doc__ = f"naflex_accum.{name}, speaking {describe_contract(step.contract)}."
     setattr(_train_step_eager, OWNER_MARK, True)
-    _train_step_eager.step, _train_step_eager.probe = step, found
+    _train_step_eager.step, _train_step_eager.probe, _train_step_eager.mode = step, found, mode
     if original is not None:
         _train_step_eager.__wrapped__ = original
     return _train_step_eager
@@ -199,13 +200,29 @@ def _check(module, current, force: bool, contract):
         return contract, None
 
 
+def _refuse_another(current, mode: Optional[str], contract) -> None:
+    """``StepError`` when ``install(mode=mode, contract=contract)`` asks for another step than ``current`` (ours).
+
+    Refused rather than switched: a running loop may be mid-window, and ``patched()`` could not put the
+    earlier step back on exit."""
+    wanted, installed = resolve_mode(mode), getattr(current, "mode", None)
+    asked = f"mode={mode!r}" if mode else f"mode=None, that is {wanted} ($NAFLEX_ACCUM_MODE, else the default)"
+    if wanted != installed:
+        raise StepError(f"install({asked}): the {installed} step is already installed; uninstall() first to "
+                        f"switch modes (installing the same mode again is a no-op).")
+    if contract is not None and contract is not current.step.contract:
+        raise StepError(f"install(contract=...) asks for {contract.describe()}, but the installed step speaks "
+                        f"{describe_contract(current.step.contract)}; uninstall() first to switch contracts.")
+
+
 def install(force: bool = False, mode: Optional[str] = None, contract=None) -> Callable:
     """Replace upstream's ``_train_step_eager`` with the fixed step; return the installed function.
 
-    A no-op when ours is already there. ``PatchError`` when open_clip does not
-    match a contract generation the fix knows (the signature, then ``probe``),
-    unless ``force``, which warns and installs a step that follows each task
-    result's form. ``mode``: ``"cached-loss"`` (default: the window loss once)
+    A no-op when ours is already there in the same mode (and contract, if
+    given); ``StepError`` when it is there in another. ``PatchError`` when
+    open_clip does not match a contract generation the fix knows (the
+    signature, then ``probe``), unless ``force``, which warns and installs a
+    step that follows each task result's form. ``mode``: ``"cached-loss"`` (default: the window loss once)
     or ``"replay"`` (once per microbatch, as upstream); ``None`` reads
     $NAFLEX_ACCUM_MODE. ``contract``: a ``contract.Contract`` to speak without
     probing (for launchers that know their upstream).
@@ -215,9 +232,10 @@ def install(force: bool = False, mode: Optional[str] = None, contract=None) -> C
         module = import_target()
         current = getattr(module, TARGET_NAME, None)
         if is_ours(current):
+            _refuse_another(current, mode, contract)
             return current
         contract, found = _check(module, current, force, contract)
-        replacement = _make_replacement(current, make_step(mode, contract), name, found)
+        replacement = _make_replacement(current, make_step(mode, contract), name, found, resolve_mode(mode))
         setattr(module, TARGET_NAME, replacement)
         _announce(f"{describe(mode)}.")
         return replacement

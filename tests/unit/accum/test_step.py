@@ -6,9 +6,13 @@ import pytest
 import torch
 
 from naflex_accum import CachedLossStep, ReplayStep, cached_loss_step, replay_step
+from naflex_accum.accum.contract import split_result
+from naflex_accum.errors import StepError
 from naflex_accum.testing.older_order import older as older_order
 from naflex_accum.upstream.audit import (GradProbe, audit_case, compare, concat_batches, full_batch_grads, named_params,
                                          random_window)
+
+from .test_contract import losses_only
 
 
 def make_args(**kw):
@@ -120,6 +124,116 @@ def test_empty_microbatch_is_refused(counted):
     with pytest.raises(ValueError, match="position 1 of the window has size 0"):
         run_window(task, [b, empty], make_args())
     assert task.trainable_module.forwards == 1  # the last microbatch is refused before its forward
+
+
+@pytest.fixture(params=["report", "losses"])
+def generation(request, counted):
+    """Builds a counted task speaking upstream's current (report) or older (losses alone) contract generation."""
+    return lambda: losses_only(counted()) if request.param == "losses" else counted()
+
+
+def call(task, batch, state, probe, k=2):
+    return STEP["fn"](task, batch, state, probe, None, nullcontext, make_args(accum_freq=k))
+
+
+def refused(match, task, batch, state, probe, k=2):
+    """The call raises one StepError line matching ``match`` before any forward (so before any backward)."""
+    forwards = task.trainable_module.forwards
+    with pytest.raises(StepError, match=match) as info:
+        call(task, batch, state, probe, k)
+    assert "\n" not in str(info.value)
+    assert task.trainable_module.forwards == forwards
+
+
+def test_a_closed_state_passed_again_is_refused_before_any_forward(generation):
+    task = generation()
+    probe = GradProbe(named_params(task))
+    b0, b1, b2, b3 = random_window((2, 1, 2, 1))
+    spent = ([], {})
+    assert call(task, b0, spent, probe) is None
+    fresh = call(task, b1, spent, probe)[-1]
+    refused("window has already made its optimizer step.*pass the accum_state the step returned",
+            task, b2, spent, probe)
+    assert call(task, b2, fresh, probe) is None
+    refused("already made its optimizer step", task, b3, spent, probe)  # mid-way through the next window
+    assert split_result(call(task, b3, fresh, probe))[1] == 3 and probe.steps == 2
+    ref, _ = full_batch_grads(task, [b2, b3], [0, 0], chunked=False)  # the refusals left no trace in it
+    err, worst, _ = compare(probe.grads, ref, 3 / 8)
+    assert err <= 1e-5, worst
+
+
+def _added_by_hand(task, probe, b0, b1):
+    state = ([], {})
+    call(task, b0, state, probe, 3)
+    state[0].append(b1)
+    return state
+
+
+def _one_window_in_two_states(task, probe, b0, b1):
+    state = ([], {})
+    call(task, b0, state, probe, 3)
+    copy = (list(state[0]), state[1])
+    call(task, b1, state, probe, 3)
+    return copy
+
+
+@pytest.mark.parametrize("make_state,match", [
+    (_added_by_hand, "has 2 in its batch list but its window kept outputs of 1"),
+    (_one_window_in_two_states, "has 1 in its batch list but its window kept outputs of 2"),
+    (lambda task, probe, b0, b1: ([b0], {}), "has 1 in its batch list but this step admitted none of them"),
+], ids=["batch-added-by-hand", "one-window-in-two-states", "begun-by-another-step"])
+def test_a_state_out_of_step_with_its_window_is_refused(generation, make_state, match):
+    task = generation()
+    probe = GradProbe(named_params(task))
+    b0, b1, b2 = random_window((1, 2, 1))
+    refused(match, task, b2, make_state(task, probe, b0, b1), probe, 3)
+    assert probe.steps == 0
+
+
+def test_a_state_whose_call_failed_midway_is_refused(generation):
+    task = generation()
+    module, probe = task.trainable_module, GradProbe(named_params(task))
+    b0, b1, b2 = random_window((1, 2, 1))
+    state = ([], {})
+    call(task, b0, state, probe, 3)
+    module.forward = lambda **kw: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        call(task, b1, state, probe, 3)
+    del module.forward
+    refused("has 2 in its batch list but its window kept outputs of 1.*failed midway", task, b2, state, probe, 3)
+    assert probe.steps == 0
+
+
+def test_a_window_filled_through_two_models_is_refused_before_the_second_forward(generation):
+    import copy
+
+    task, other = generation(), generation()
+    probe = GradProbe(named_params(task))
+    b0, b1 = random_window((2, 1))
+    state = ([], {})
+    call(task, b0, state, probe)
+    refused("microbatch 1 of the window came through another model .task.trainable_module, a CountingModule.",
+            other, b1, state, GradProbe(named_params(other)))
+    assert task.trainable_module.forwards == 1 and all(p.grad is None for p in other.parameters())
+    result = call(copy.copy(task), b1, state, probe)  # another task object around the same model is one model
+    assert split_result(result)[1] == 3 and probe.steps == 1
+
+
+@pytest.mark.parametrize("state,match", [
+    (([], []), r"a \(list, dict\) pair.*got a tuple \(list, list\)"),
+    ("([], {})", "got a str"),
+    (([], {}, []), r"got a tuple \(list, dict, list\)"),
+], ids=["list-list", "str", "three"])
+def test_an_accum_state_of_another_form_is_refused(counted, state, match):
+    task = counted()
+    refused(match, task, random_window((1,))[0], state, GradProbe(named_params(task)))
+
+
+def test_an_accum_state_as_a_list_pair_is_taken(counted):
+    task = counted()
+    probe, state = GradProbe(named_params(task)), [[], {}]
+    results = [call(task, b, state, probe) for b in random_window((1, 2))]
+    assert results[0] is None and split_result(results[1])[1] == 3
 
 
 def test_older_order_replays_every_microbatch(counted, step):

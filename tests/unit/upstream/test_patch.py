@@ -216,3 +216,34 @@ def test_env_var_picks_the_mode_and_bad_modes_fail_first(stand_in, upstream_trai
     with pytest.raises(UsageError, match="NAFLEX_ACCUM_MODE=fast: unknown accumulation mode"):
         install()
     assert getattr(upstream_train, NAME) is stand_in
+
+
+@pytest.mark.parametrize("generation", ["report", "losses"])
+def test_install_over_another_mode_or_contract_is_refused_and_changes_nothing(stand_in, upstream_train, monkeypatch,
+                                                                               generation):
+    from naflex_accum.accum.cached_loss import CachedLossStep
+    from naflex_accum.accum.contract import LOSSES, REPORT
+    from naflex_accum.errors import StepError
+
+    monkeypatch.delenv("NAFLEX_ACCUM_MODE", raising=False)
+    contract, other = (REPORT, LOSSES) if generation == "report" else (LOSSES, REPORT)
+    first = install(contract=contract)
+    refusals = [
+        (dict(mode="replay"), r"install\(mode='replay'\): the cached-loss step is already installed; uninstall\(\) "
+                              r"first to switch modes"),
+        (dict(contract=other), rf'install\(contract=\.\.\.\) asks for contract "{other.name}".*the installed step '
+                               rf'speaks contract "{contract.name}"'),
+    ]
+    for kw, match in refusals:
+        for attempt in (install, lambda **kw: patched(**kw).__enter__()):
+            with pytest.raises(StepError, match=match) as info:
+                attempt(**kw)
+            assert "\n" not in str(info.value)
+            assert getattr(upstream_train, NAME) is first and type(first.step) is CachedLossStep
+    assert install(mode="cached-loss", contract=contract) is first and install() is first  # the same: no-op
+    assert uninstall() and install(mode="replay").mode == "replay"
+    with pytest.raises(StepError, match=r"install\(mode=None, that is cached-loss \(\$NAFLEX_ACCUM_MODE, else the "
+                                        r"default\)\): the replay step is already installed"):
+        install()
+    monkeypatch.setenv("NAFLEX_ACCUM_MODE", "replay")
+    assert install() is getattr(upstream_train, NAME)
