@@ -46,7 +46,7 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
         return int(module.main(rest, prog=f"naflex-accum {name}", ends_process=ends_process) or 0)
     except UsageError as exc:
         print(f"naflex-accum {name}: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         print(f"naflex-accum {name}: interrupted", file=sys.stderr)
         return 130

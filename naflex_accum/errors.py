@@ -3,17 +3,18 @@
 Invariant: every error a user can meet is one of these classes and its message
 is one line: a ``UsageError`` names the flag or file at fault and what would be
 valid (the CLI prints it and exits 2, no traceback; ``WriteError`` a run-folder
-file that cannot be written; ``QuietUsageError`` another rank's copy of rank 0's,
-which only rank 0 prints); a ``StepError`` (and its
-``ContractError``) is the accumulation step's refusal; ``PatchError`` and
-``SelfCheckFailed`` the runner's. A ``TransientError`` is one line too, for a
-failure that says nothing about the settings (storage gone mid-run, input that
-stopped coming): the trainer exits 74 on it, which a cluster script may retry;
-``storage_gone(errno)`` says which OS errors mean the storage went away, not
-that it is full or read-only. Nothing here imports the rest of the package.
-``OneLineParser`` makes argparse's own errors (unknown flag, bad choice) follow
-the same rule instead of dumping the whole usage text; ``check_int`` is the one
-integer validator every setting goes through.
+file that cannot be written; ``QuietUsageError`` another rank's copy of rank
+0's, which only rank 0 prints); a ``StepError`` (and its ``ContractError``) is
+the accumulation step's refusal; ``PatchError``, ``SelfCheckFailed`` and
+``StartFailed`` (exit 1: upstream's ``main`` failed to start) the runner's. A
+``TransientError`` is one line too, for a failure that says nothing about the
+settings (storage gone mid-run, input that stopped coming): the trainer exits 74
+on it, which a cluster script may retry; ``storage_gone(errno)`` says which OS
+errors mean the storage went away, not that it is full or read-only. Nothing
+here imports the rest of the package. ``OneLineParser`` makes argparse's own
+errors (unknown flag, bad choice) follow the same rule instead of dumping the
+whole usage text; ``check_int`` is the one integer validator every setting goes
+through.
 """
 import argparse
 import errno as _errno
@@ -21,7 +22,15 @@ from typing import Optional
 
 
 class UsageError(ValueError):
-    """A bad setting, flag or input file, in one line (the CLI prints it and exits 2)."""
+    """A bad setting, flag or input file, in one line (the CLI prints it and exits ``exit_code``, 2)."""
+
+    exit_code = 2
+
+
+class StartFailed(UsageError):
+    """Upstream's ``main`` stopped before its first step, in one line (the runner prints it and exits 1)."""
+
+    exit_code = 1
 
 
 class QuietUsageError(UsageError):

@@ -111,11 +111,13 @@ def is_installed() -> bool:
 
 def _make_replacement(original, step: Callable, name: str, found, mode: str) -> Callable:
     def _train_step_eager(task, batch, accum_state, optimizer, scaler, autocast, args):
+        _train_step_eager.calls += 1
         return step(task, batch, accum_state, optimizer, scaler, autocast, args)
 
     _train_step_eager.__doc__ = f"naflex_accum.{name}, speaking {describe_contract(step.contract)}."
     setattr(_train_step_eager, OWNER_MARK, True)
     _train_step_eager.step, _train_step_eager.probe, _train_step_eager.mode = step, found, mode
+    _train_step_eager.calls = 0  # the runner tells a start that reached the step from one that did not
     if original is not None:
         _train_step_eager.__wrapped__ = original
     return _train_step_eager
@@ -146,6 +148,12 @@ def installed_step():
     """The step object behind the installed replacement (``.contract`` says what it speaks), or None."""
     current = _current()
     return current.step if is_ours(current) else None
+
+
+def step_calls() -> int:
+    """How often the installed replacement has been called in this process (0 when none is installed)."""
+    current = _current()
+    return current.calls if is_ours(current) else 0
 
 
 def _announce(message: str) -> None:

@@ -1,12 +1,13 @@
 """What the runner refuses before upstream's ``main`` starts, and whether a run calls the fixed step at all.
 
 Invariant: ``refusal(args)`` reads only upstream's own parsed arguments (its
-``parse_args``) and the launcher's variables, so it runs before upstream's
-``main`` creates a run folder or a process group; it names, in one line, the
-first setting that upstream's ``main`` (89fb801 and 5964c41 alike) would crash
-on after creating its run folder, or would train wrongly without a word, with
-the flag and what would be valid. An attribute upstream's arguments lack is
-not checked. ``step_use(args)`` is upstream's own rule for calling
+``parse_args``), the launcher's variables and the files the arguments name
+(shards, ``--model``'s config), so it runs before upstream's ``main`` creates a
+run folder or a process group; it names, in one line, the first setting that
+upstream's ``main`` (89fb801 and 5964c41 alike) would crash on after creating
+its run folder, or would train wrongly without a word, with the flag and what
+would be valid (the tower locks: ``locks``). An attribute upstream's arguments
+lack is not checked. ``step_use(args)`` is upstream's own rule for calling
 ``_train_step_eager`` (``train_one_epoch``: ``--accum-freq`` > 1 or a
 GradScaler, which ``main`` creates for ``--precision amp``, and under FSDP for
 the fp16 precisions), with the reason in words.
@@ -20,6 +21,7 @@ from braceexpand import braceexpand
 
 from ..accum.scales import validate_mode
 from ..errors import StepError, is_positive_int
+from . import locks
 
 SYNTHETIC = ("synthetic", "synthetic-audio")  # upstream's dataset types that need no --train-data
 FSDP_SCALED = ("amp", "fp16", "pure_fp16")  # upstream's FSDP param dtype float16: a GradScaler
@@ -196,7 +198,8 @@ def _compiled_step(args) -> Optional[str]:
             f"step (--accum-freq 1, no GradScaler); use --torchcompile-strategy task or model")
 
 
-CHECKS = (_accum_freq, _train_data, _step_settings, _naflex_schedule, _distillation, _ddp_on_cpu, _compiled_step)
+CHECKS = (_accum_freq, _train_data, _step_settings, _naflex_schedule, _distillation, locks.refusal, _ddp_on_cpu,
+          _compiled_step)
 
 
 def refusal(args) -> Optional[str]:

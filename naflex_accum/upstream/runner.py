@@ -19,7 +19,9 @@ says that the fix ran, in which mode, on which upstream (version, contract,
 fingerprint) and with which verdict: ``params.txt`` holds ``naflex_accum*``
 entries and ``out.log`` lines from ``naflex_accum.openclip``, whatever level
 logging is set to; each line reaches stderr once. A step that refuses its input
-(``scales.StepError``) ends the run with its one line, exit 2.
+(``scales.StepError``) ends the run with its one line, exit 2. A start that
+fails before its first step says upstream's error in one line, exit 1, and
+leaves no run folder it made (``startup``); a later failure is upstream's own.
 """
 import contextlib
 import importlib
@@ -29,11 +31,12 @@ from typing import List, Optional, Sequence
 
 from .. import __version__
 from ..accum.modes import resolve_mode
-from ..errors import PatchError, QuietUsageError, StepError, UsageError
+from ..errors import PatchError, QuietUsageError, StartFailed, StepError, UsageError
 from ..ranks import process_rank
 from . import cmdline, preflight
 from .patch import TARGET_NAME, describe, gate, import_target, is_ours, patched
 from .selfcheck import check_run, enabled, record_unused
+from .startup import StartWatch
 
 PROG = "naflex_accum.openclip"
 USAGE_PROG = "python -m naflex_accum.openclip"  # the name --help shows
@@ -102,7 +105,7 @@ def _checked(args, mode: str, lines: list, use: preflight.StepUse) -> None:
 
 
 @contextlib.contextmanager
-def _recorded_in_run_folder(module, mode: str, line: str, use: preflight.StepUse):
+def _recorded_in_run_folder(module, mode: str, line: str, use: preflight.StepUse, watch: StartWatch):
     """While upstream's ``main`` runs, check the run before it trains and make its run folder record the fix.
 
     Upstream's ``main`` parses its args, sets up its process group
@@ -110,8 +113,9 @@ def _recorded_in_run_folder(module, mode: str, line: str, use: preflight.StepUse
     (``setup_logging``) and writes ``params.txt`` from ``vars(args)``, looking
     each function up in its module at call time. Wrapping them for the run adds
     ``args.naflex_accum``, runs the self-check once the ranks can agree (on an
-    upstream without that function, right after parsing), and logs the record
-    right after logging is set up; an upstream without them runs unchanged (the
+    upstream without that function, right after parsing), shows ``watch`` where
+    the start begins and where the self-check ends, and logs the record right
+    after logging is set up; an upstream without them runs unchanged (the
     install line still goes to stderr). Each is put back afterwards while it is
     still ours.
     """
@@ -129,8 +133,10 @@ def _recorded_in_run_folder(module, mode: str, line: str, use: preflight.StepUse
 
     def checked(init_distributed_device):
         def init_distributed_device_checked(args, *rest, **kwargs):
+            watch.enter(args)
             device = init_distributed_device(args, *rest, **kwargs)
             _checked(args, mode, lines, use)
+            watch.arm()
             return device
         return init_distributed_device_checked
 
@@ -199,11 +205,23 @@ def run(argv: Sequence[str], prog: str = USAGE_PROG) -> int:
             stack.enter_context(patched(mode=mode))
         except PatchError as exc:
             raise UsageError(_refusal(exc)) from None
-        stack.enter_context(_recorded_in_run_folder(module, mode, describe(mode), use))
+        watch = StartWatch()
+        stack.callback(watch.close)
+        stack.enter_context(_recorded_in_run_folder(module, mode, describe(mode), use, watch))
         try:
-            return _exit_code(module.main(list(argv)))
+            code = _exit_code(module.main(list(argv)))
         except StepError as exc:  # the step's own one-line refusal, raised deep inside upstream's loop
             raise UsageError(f"the accumulation step stopped the run: {' '.join(str(exc).split())}") from None
+        except UsageError:  # the runner's own (the self-check's), one line already
+            raise
+        except BaseException as exc:  # upstream's own failure: before its first step, one line and no run folder
+            line = watch.failed(exc)
+            if line is None:
+                raise
+            raise StartFailed(line) from None
+        if code and watch.before_first_step():  # it refused to start (-1): what it made goes, as above
+            watch.settle()
+        return code
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -214,7 +232,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
 
 
 if __name__ == "__main__":

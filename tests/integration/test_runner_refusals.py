@@ -3,19 +3,23 @@
 ``python -m naflex_accum.openclip`` on each pinned upstream commit, in a
 subprocess: every refused setting must exit 2 with exactly one line on stderr
 naming the flag, no traceback, no run folder under ``--logs`` and no self-check
-record. Refusals come before any training, so each run takes seconds. Two runs
-train: distillation at ``--accum-freq 1`` (upstream never calls the fixed step:
-the record says so instead of auditing it) and a run with accumulation, whose
-status lines must reach stderr once each. ``--help`` names the runner and its
+record. Refusals come before any training, so each run takes seconds. Some
+runs train: distillation at ``--accum-freq 1`` (upstream never calls the fixed
+step: the record says so instead of auditing it), a run with accumulation,
+whose status lines must reach stderr once each, and the tower locks that
+upstream takes, each after its refusal. ``--help`` names the runner and its
 variables.
 """
 import dataclasses
+import json
 import socket
 import subprocess
 import sys
 
 import pytest
 from upstream_real import DETERMINISTIC, PINNED, run_python, tail, upstream_env
+
+from naflex_accum.upstream.tiny_tasks import model_config
 
 PREFIX = "naflex_accum.openclip: error: "
 TIMEOUT = 300
@@ -174,3 +178,55 @@ def test_other_settings_upstream_would_crash_on_are_refused(upstream_src, demo_s
 def test_upstreams_own_checks_after_parsing_are_one_line(upstream_src, demo_shards, tmp_path):
     _refuse(dataclasses.replace(PINNED["89fb801"], src=upstream_src), demo_shards, tmp_path,
             ["--model", "naflexgenlip_test", "--accum-freq", "2"], "GenLIP does not support --accum-freq > 1")
+
+
+def _model_dir(folder, config: dict) -> str:
+    """A ``local-dir:`` model of open_clip config ``config``, without weights."""
+    folder.mkdir()
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": config}))
+    return f"local-dir:{folder}"
+
+
+def _trains(pinned, demo_shards, tmp_path, model, *args):
+    logs = tmp_path / "logs"
+    proc = _runner(pinned.src, ["--model", model, "--batch-size", "4", "--accum-freq", "2", "--epochs", "1", "--lr",
+                                "1e-3", "--warmup", "0", *args, *_data(demo_shards), "--logs", logs, "--name", "run"],
+                   tmp_path)
+    assert proc.returncode == 0, tail(proc)
+    return (logs / "run" / "params.txt").read_text()
+
+
+def test_lock_text_without_freezing_layer_norm_is_refused_and_the_retry_with_it_trains(pinned, demo_shards,
+                                                                                      tiny_clip, tmp_path):
+    model, _ = tiny_clip
+    _refuse(pinned, demo_shards, tmp_path, ["--model", model, "--accum-freq", "2", "--lock-text"],
+            f"--lock-text without --lock-text-freeze-layer-norm: the text tower of --model {model}",
+            "add --lock-text-freeze-layer-norm")
+    params = _trains(pinned, demo_shards, tmp_path, model, "--lock-text", "--lock-text-freeze-layer-norm",
+                     "--lock-image")
+    assert "lock_text: True" in params and "lock_image: True" in params
+
+
+@pytest.mark.parametrize("lock,said", [
+    (["--lock-text", "--lock-text-freeze-layer-norm"], "--lock-text with --model {}: upstream builds a CoCa from it, "
+                                                       "which has no text tower to lock"),
+    (["--lock-image"], "--lock-image with --model {}: upstream builds a CoCa from it, which has no image tower"),
+], ids=["text", "image"])
+def test_locking_a_tower_coca_does_not_lock_is_refused(pinned, demo_shards, tmp_path, lock, said):
+    model = _model_dir(tmp_path / "tiny-coca", model_config("coca"))
+    _refuse(pinned, demo_shards, tmp_path, ["--model", model, *lock], said.format(model), "drop --lock-")
+
+
+TINY_RESNET = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
+               "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+
+
+def test_a_partly_unlocked_resnet_is_refused_only_where_upstream_asserts(pinned, demo_shards, tmp_path):
+    """5964c41's ModifiedResNet.lock asserts --lock-image-unlocked-groups 0; 89fb801's locks by layer groups."""
+    model = _model_dir(tmp_path / "tiny-resnet", TINY_RESNET)
+    lock = ["--lock-image", "--lock-image-unlocked-groups", "1"]
+    if pinned.commit == "5964c41":
+        _refuse(pinned, demo_shards, tmp_path, ["--model", model, *lock],
+                "--lock-image-unlocked-groups 1 with --model", "use --lock-image-unlocked-groups 0")
+    else:
+        assert "lock_image_unlocked_groups: 1" in _trains(pinned, demo_shards, tmp_path, model, *lock)

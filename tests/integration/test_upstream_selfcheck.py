@@ -91,6 +91,8 @@ def test_one_failing_rank_stops_every_rank(upstream_src, demo_shards, model, tmp
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="torchrun with gloo on Linux CI")
 def test_every_rank_agrees_and_the_run_folder_says_so(upstream_src, demo_shards, model, tmp_path):
+    # Upstream's main stops at its DDP wrap, before its first step: a folder it made would go, one there stays.
+    (tmp_path / "logs" / "run").mkdir(parents=True)
     proc = _torchrun(upstream_src, demo_shards, model, tmp_path)
     params = (tmp_path / "logs" / "run" / "params.txt").read_text()
     assert ("naflex_accum_verify: PASS 8/8 rows (CLIPTask, --naflex-loss-scale linear, accumulation mode "
