@@ -4,27 +4,31 @@
 accumulation mode (``cached-loss``, the window loss once per window), the step that ``install()`` and
 ``naflex-accum train`` use unless told otherwise. ``replay_step`` is the other mode (the window loss
 once per microbatch, as upstream). Importing this package changes nothing in open_clip or timm:
-patching happens only when ``install()`` or ``patched()`` is called.
+patching happens only when ``install()`` or ``patched()`` is called. Nor does it import torch: each
+name below loads its module on first use, so an entry point can make Ctrl-C one line (``interrupt``)
+before torch's import starts.
 """
-from .accum.cached_loss import CachedLossStep, cached_loss_step
-from .accum.replay import ReplayStep, replay_step
-from .accum.scales import window_loss_scale
-from .accum.step import AccumulationStep
-
-# THE drop-in: the default mode's step itself (so its name, cached_loss_step, says which mode it is).
-train_step_eager = cached_loss_step
+import importlib
 
 __version__ = "0.1.0"
 
-_PATCH_API = ("install", "uninstall", "patched", "is_installed", "PatchError")
+# name -> (module, attribute); THE drop-in is the default mode's step itself (so its name says which mode)
+_EXPORTS = {
+    "window_loss_scale": (".accum.scales", "window_loss_scale"),
+    "train_step_eager": (".accum.cached_loss", "cached_loss_step"),
+    "cached_loss_step": (".accum.cached_loss", "cached_loss_step"),
+    "CachedLossStep": (".accum.cached_loss", "CachedLossStep"),
+    "replay_step": (".accum.replay", "replay_step"),
+    "ReplayStep": (".accum.replay", "ReplayStep"),
+    "AccumulationStep": (".accum.step", "AccumulationStep"),
+    **{name: (".upstream.patch", name) for name in ("install", "uninstall", "patched", "is_installed", "PatchError")},
+}
 
-__all__ = ["window_loss_scale", "train_step_eager", "cached_loss_step", "replay_step", "AccumulationStep",
-           "CachedLossStep", "ReplayStep", *_PATCH_API, "__version__"]
+__all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name):
-    # The patch layer is imported on first use; importing it patches nothing.
-    if name in _PATCH_API:
-        from .upstream import patch  # lazy: `import naflex_accum` is the step alone, open_clip unimported
-        return getattr(patch, name)
+    if name in _EXPORTS:
+        module, attribute = _EXPORTS[name]
+        return getattr(importlib.import_module(module, __name__), attribute)
     raise AttributeError(f"module 'naflex_accum' has no attribute {name!r}")

@@ -1,7 +1,8 @@
 """The ``naflex-accum`` console script: one subcommand per module in ``naflex_accum.commands``.
 
 Invariant: a bad input exits 2 with one ``naflex-accum <cmd>: error: ...`` line
-and no traceback; subcommand modules are imported only when chosen, so
+and no traceback, Ctrl-C one ``naflex-accum <cmd>: interrupted`` line and exit
+130 (``interrupt``); subcommand modules are imported only when chosen, so
 ``naflex-accum --help`` stays fast and nothing is patched by merely running it.
 """
 import argparse
@@ -12,6 +13,7 @@ from typing import List, Optional
 
 from . import __version__
 from .errors import UsageError
+from .interrupt import finished, install as install_interrupt, interrupted
 
 # name -> (module under naflex_accum.commands, one-line help)
 COMMANDS = {
@@ -41,15 +43,17 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
         parser.parse_args(argv or ["--help"])
         return 2
     name, rest = argv[0], argv[1:]
-    module = _module(name)
     try:
-        return int(module.main(rest, prog=f"naflex-accum {name}", ends_process=ends_process) or 0)
+        module = _module(name)  # torch and the rest: a Ctrl-C while they load is the same one line
+        code = int(module.main(rest, prog=f"naflex-accum {name}", ends_process=ends_process) or 0)
+        if ends_process:
+            finished()  # from here on a Ctrl-C changes nothing
+        return code
     except UsageError as exc:
         print(f"naflex-accum {name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"naflex-accum {name}: interrupted", file=sys.stderr)
-        return 130
+        return interrupted(f"naflex-accum {name}")
 
 
 EXIT_FILE_ENV = "NAFLEX_ACCUM_EXIT_FILE"
@@ -58,14 +62,17 @@ EXIT_FILE_ENV = "NAFLEX_ACCUM_EXIT_FILE"
 def entry(argv: Optional[List[str]] = None) -> int:
     """``main`` for a process that ends with the command (the console script, ``python -m``).
 
-    With ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there: torchrun exits 1 whatever
-    status its workers had, and a cluster script that requeues on 74 reads the trainer's own from the file.
+    Ctrl-C is one line and exit 130 at any moment (``interrupt``, set up before the command's imports). With
+    ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there: torchrun exits 1 whatever status
+    its workers had, and a cluster script that requeues on 74 reads the trainer's own from the file.
     """
+    install_interrupt()
     code = 1  # what an exception leaving here means
     try:
         code = main(argv, ends_process=True)  # a scheduler's SIGTERM after a run has saved must not kill it
         return code
     finally:
+        finished()
         _record_exit(code)
 
 

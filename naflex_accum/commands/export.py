@@ -9,13 +9,13 @@ the checkpoint's, loaded strictly into the model first, so a checkpoint that
 does not fit its model is refused instead of exported. A DDP, FSDP or
 ``torch.compile`` checkpoint exports as a plain one (``module.`` and
 ``_orig_mod.`` are dropped from its keys). The export is made in a hidden
-folder beside DIR and renamed into place, so a failed one leaves nothing; it
-never writes over anything: an existing non-empty DIR is refused. The model comes from ``--model``, else from
-the ``params.txt`` of the run folder holding CHECKPOINT. A model trained with
-several ``--naflex-patch-sizes`` (the checkpoint's schedule, else that
-params.txt) exports as the trainer built it, taking every patch size
-(``models.any_patch_size``); both configs record the sizes as
-``naflex_patch_sizes``. Every bad input is one line, exit 2.
+folder beside DIR and renamed into place, so a failed or interrupted (Ctrl-C) one
+leaves nothing; it never writes over anything: an existing non-empty DIR is refused.
+The model comes from ``--model``, else from the ``params.txt`` of the run folder
+holding CHECKPOINT. A model trained with several ``--naflex-patch-sizes`` (the
+checkpoint's schedule, else that params.txt) exports as the trainer built it,
+taking every patch size (``models.any_patch_size``); both configs record the
+sizes as ``naflex_patch_sizes``. Every bad input is one line, exit 2.
 """
 import ast
 import json
@@ -156,9 +156,11 @@ def write(model, cfg: dict, folder: Path, sizes: Optional[List[int]] = None) -> 
             staging.rmdir()
         else:
             os.rename(staging, target)
-    except OSError as exc:
+    except BaseException as exc:  # an OS error, or Ctrl-C: nothing is left either way
         shutil.rmtree(staging, ignore_errors=True)
-        raise WriteError(exc.filename or folder, exc) from None
+        if isinstance(exc, OSError):
+            raise WriteError(exc.filename or folder, exc) from None
+        raise
     return written
 
 

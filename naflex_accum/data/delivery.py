@@ -1,11 +1,12 @@
 """Batches as they reach the main process: torch's DataLoader around a stream, each batch received from its
 worker (``handover``), pinned where asked, and counted.
 
-Invariants: a loader worker ignores SIGTERM and SIGUSR1 (the main process decides when a run stops: finish
-the step, save, exit) and exempts the heap it inherited from the cyclic collector (``freeze_heap``); a wait
-for the next batch longer than the timeout stops the workers (``workers``), or, reading in this process,
-the read and its ``pipe:`` commands (``alarm``); a worker that died is named in one line at the next batch,
-never dropped; an epoch's unusable samples are counted, and logged one by one only up to ``LOG_LIMIT``.
+Invariants: a loader worker ignores SIGTERM, SIGUSR1 and SIGINT (the main process decides when a run stops:
+finish the step and save, or on Ctrl-C stop; either way it stops the workers) and exempts the heap it
+inherited from the cyclic collector (``freeze_heap``); a wait for the next batch longer than the timeout
+stops the workers (``workers``), or, reading in this process, the read and its ``pipe:`` commands
+(``alarm``); a worker that died is named in one line at the next batch, never dropped; an epoch's unusable
+samples are counted, and logged one by one only up to ``LOG_LIMIT``.
 """
 import functools
 import gc
@@ -15,6 +16,7 @@ from typing import Dict, Iterator, Optional
 
 import torch
 
+from ..interrupt import deferred
 from .alarm import bounded
 from .handover import Receiver
 from .workers import lost, raise_pending, read_failed, register as register_workers
@@ -88,9 +90,9 @@ def freeze_heap() -> None:
 def init_worker(worker_id: int) -> None:
     """Freeze the inherited heap (``freeze_heap``), and leave stopping to the main process: it decides when a
     run stops (finish the step, save, exit), so a SIGTERM or SIGUSR1 sent to the whole process group (SLURM,
-    Kubernetes) must not kill a worker under it."""
+    Kubernetes), or a terminal's Ctrl-C (SIGINT), must not kill a worker under it, nor make it print."""
     freeze_heap()
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -112,8 +114,9 @@ def iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -
     A wait of over ``timeout`` seconds (0: none) for the next batch stops the workers (``workers``), or, reading in
     this process, the read and its ``pipe:`` commands (``alarm``).
     """
-    source = iter(source)
-    watch = register_workers(source, timeout)  # a failure names its worker; the run's end stops them all
+    with deferred():  # a Ctrl-C while the workers start acts once they are registered, so they get stopped
+        source = iter(source)
+        watch = register_workers(source, timeout)  # a failure names its worker; the run's end stops them all
     waiting = watch.waiting if getattr(source, "_workers", None) else functools.partial(bounded, timeout)
     pin = pin_memory and torch.cuda.is_available()
     while True:

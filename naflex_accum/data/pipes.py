@@ -2,7 +2,7 @@
 
 Invariant: a ``pipe:`` command runs under ``/bin/sh -c`` (as gopen runs it) in a
 session and process group of its own, with the default dispositions of SIGTERM,
-SIGUSR1 and SIGINT (loader workers ignore the first two, and an exec'd program
+SIGUSR1 and SIGINT (loader workers ignore all three, and an exec'd program
 would keep that) and nothing blocked. Its group's leader is a shell (bash, which
 can give a background command SIGINT back; else sh, whose background commands
 ignore SIGINT and SIGQUIT) that runs it in the background and waits; on Linux the

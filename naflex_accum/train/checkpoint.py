@@ -2,7 +2,8 @@
 
 Invariants: a file under a checkpoint name is complete (written to a hidden
 temporary file in the same folder, flushed to disk, then ``os.replace``d; a
-failed write removes its temporary file and says which path and which OS error)
+failed or interrupted write removes its temporary file, and a failed one says
+which path and which OS error)
 and carries a checksum of its payload (``integrity``), which a full read
 verifies; a torch file's bytes that differ from the CRC-32s its zip recorded
 (the pickle's on every read; every member's on a full read of a file without a
@@ -92,7 +93,10 @@ def _save(path: Path, payload: dict) -> None:
         try:
             torch.save(payload, writer)
             os.fsync(fd)
-        except RuntimeError:
+        except RuntimeError as exc:
+            # torch's zip writer, closing after a failed write, says "unexpected pos": say what stopped it
+            if isinstance(exc.__context__, KeyboardInterrupt):  # Ctrl-C: one line, not this error (``interrupt``)
+                raise exc.__context__ from None
             if writer.error is None:
                 raise
             raise writer.error from None

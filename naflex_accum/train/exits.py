@@ -2,15 +2,16 @@
 
 Invariant: every way a run ends maps to one status (``EXIT_CODES``, docs/long-runs.md), the same on every rank
 (``peers``), so a cluster script can act on it: 0 finished, 2 a setting to fix, 3 non-finite, 74 a transient
-failure another attempt may not meet (requeue it), 75 stopped on request after saving. ``transient(exc)`` is
-the one place that says what counts as 74: a loader worker's failure, a ``TransientError`` (a shard the OS
-cannot read, no batch within ``--data-timeout``, a source that would not count), the run folder's storage gone
-(not full or read-only: those are settings to fix, 2).
+failure another attempt may not meet (requeue it), 75 stopped on request after saving, 130 interrupted by
+Ctrl-C (``interrupt``). ``transient(exc)`` is the one place that says what counts as 74: a loader worker's
+failure, a ``TransientError`` (a shard the OS cannot read, no batch within ``--data-timeout``, a source that
+would not count), the run folder's storage gone (not full or read-only: those are settings to fix, 2).
 """
 from typing import Optional
 
 from ..data.workers import failure as loader_failure
 from ..errors import TransientError, WriteError, storage_gone
+from ..interrupt import EXIT_INTERRUPTED
 from .preempt import EXIT_STOPPED
 
 EXIT_NONFINITE = 3
@@ -20,7 +21,9 @@ EXIT_CODES = {0: "finished", 2: "bad setting or unwritable run folder: full, rea
               "stopped: a data-loader worker died, raised or stopped answering, the loader sent no batch for "
               "--data-timeout, the storage of a shard or of the run folder went away, or a rank froze or was "
               "killed (one line); nothing saved after the last checkpoint; --resume latest continues",
-              EXIT_STOPPED: "stopped on request (SIGTERM, SIGUSR1, STOP) after saving; --resume latest continues"}
+              EXIT_STOPPED: "stopped on request (SIGTERM, SIGUSR1, STOP) after saving; --resume latest continues",
+              EXIT_INTERRUPTED: "interrupted by Ctrl-C (SIGINT; one line): nothing saved after the last checkpoint; "
+              "--resume latest continues"}
 
 
 def transient(exc: BaseException) -> Optional[str]:

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional
 import torch.distributed as dist
 
 from ..errors import QuietUsageError, UsageError
+from ..interrupt import EXIT_INTERRUPTED
 from . import storehost
 from .channel import Channel, Failure, Pulse
 from .exits import EXIT_LOADER, transient
@@ -81,7 +82,7 @@ def own_failure(exc: BaseException, rank: int) -> Optional[Failure]:
     if isinstance(exc, UsageError):
         return Failure(rank, 2, f"rank {rank}: {exc}", text=str(exc))
     if isinstance(exc, KeyboardInterrupt):
-        return Failure(rank, 130, f"rank {rank} was interrupted (SIGINT)")
+        return Failure(rank, EXIT_INTERRUPTED, f"rank {rank} was interrupted (SIGINT)")
     if is_comm_error(exc):
         return None
     return Failure(rank, 1, f"rank {rank} failed: {type(exc).__name__}: {first_line(exc)} (a bug: the traceback "

@@ -26,8 +26,15 @@ def seen_by_run(monkeypatch, tmp_path):
 
 def test_only_the_entry_point_says_the_process_ends_with_the_run(seen_by_run):
     argv = ["train", "--train-data", "x-{000000..000001}.tar", "--device", "cpu"]
-    assert cli.entry(argv) == 0
-    assert cli.main(argv) == 0
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        assert cli.entry(argv) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # the command returned: a late Ctrl-C changes nothing
+        signal.signal(signal.SIGINT, before)
+        assert cli.main(argv) == 0
+        assert signal.getsignal(signal.SIGINT) is before  # in-process callers keep their own Ctrl-C
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert seen_by_run == [True, False]
 
 

@@ -278,3 +278,23 @@ def test_latest_skips_a_checkpoint_whose_counters_are_not_numbers(tmp_path, capl
     assert path == tmp_path / "epoch_1.pt" and payload["global_step"] == 4
     skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(skipped) == 2 and all("its counters are not whole numbers" in line for line in skipped), skipped
+
+
+def test_a_ctrl_c_inside_a_checkpoint_write_stays_a_keyboard_interrupt(tmp_path, monkeypatch):
+    """torch's zip writer would report it as ``unexpected pos``; the file before stays, no temporary is left."""
+    from naflex_accum.train import checkpoint
+
+    path = tmp_path / "epoch_latest.pt"
+    checkpoint.save_checkpoint(path, _payload())
+    before = path.read_bytes()
+    real, calls = os.write, [0]
+
+    def write(fd, data):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt  # where Ctrl-C's handler raises it: inside the bytes of the file
+        return real(fd, data)
+    monkeypatch.setattr(checkpoint.os, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(path, _payload())
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]

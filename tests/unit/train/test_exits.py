@@ -10,7 +10,7 @@ from naflex_accum.train.preempt import EXIT_STOPPED
 
 
 def test_the_statuses_are_the_documented_ones():
-    assert sorted(EXIT_CODES) == [0, 2, 3, 74, 75]
+    assert sorted(EXIT_CODES) == [0, 2, 3, 74, 75, 130]
     assert (EXIT_NONFINITE, EXIT_LOADER, EXIT_STOPPED) == (3, 74, 75)
 
 
