@@ -114,7 +114,7 @@ def _describe(value) -> str:
 class WindowCache:
     """The microbatches admitted so far and their cached outputs, in order."""
 
-    model: Optional[ModelRef] = None  # unwrap(task.trainable_module) of microbatch 0: every one must come through it
+    model: Optional[ModelRef] = None  # microbatch 0's model (a compile wrapper aside): every one must come through it
     microbatches: List[Microbatch] = field(default_factory=list)
     batches: List[Any] = field(default_factory=list)  # the batch objects admitted, to tell one replaced by hand
     features: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
@@ -156,9 +156,10 @@ class WindowCache:
                 f"in every microbatch.")
 
     def check_model(self, module) -> None:
-        """Refuse a microbatch that comes through another model than the window's first one (wrappers aside:
-        a torch.compile wrapper made anew around the same model is the same model)."""
-        module, position = unwrap(module), len(self.batches)
+        """Refuse a microbatch that comes through another model than the window's first one. A torch.compile
+        wrapper made anew around the same model is the same model; a DDP wrapper is not: the window's gradient
+        sync rides on the wrapper, so one window mixing DDP and its bare model would sync nothing."""
+        module, position = getattr(module, "_orig_mod", module), len(self.batches)
         if not position:
             self.model = ModelRef(module)
             return

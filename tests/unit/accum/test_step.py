@@ -257,7 +257,7 @@ def test_a_window_filled_through_two_models_is_refused_before_the_second_forward
     state = ([], {})
     call(task, b0, state, probe)
     refused(r"microbatch 1 of the window came through another model than microbatch 0 \(task.trainable_module's: "
-            r"CLIP at 0x[0-9a-f]+; microbatch 0's: CLIP at 0x[0-9a-f]+\)",
+            r"\w+ at 0x[0-9a-f]+; microbatch 0's: \w+ at 0x[0-9a-f]+\)",
             other, b1, state, GradProbe(named_params(other)))
     assert task.trainable_module.forwards == 1 and all(p.grad is None for p in other.parameters())
     result = call(copy.copy(task), b1, state, probe)  # another task object around the same model is one model
@@ -417,5 +417,25 @@ def test_ddp_world_size_one(tmp_path, make_task, step):
             assert r.passed, r
             r = audit_case(step, ddp_task, "siglip", "sqrt", split, stochastic=True)
             assert r.passed, r
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_window_mixing_ddp_and_its_bare_model_is_refused(tmp_path, generation):
+    """The gradient sync rides on the DDP wrapper (no_sync on all but the last backward): a window that goes
+    through DDP and then the bare model would sync nothing, so the two are two models here."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        task = generation()
+        bare, probe = task.trainable_module, GradProbe(named_params(task))
+        batches, state = random_window((1, 2)), ([], {})
+        task.trainable_module = wrapped = DDP(bare)  # kept alive: the window holds it weakly
+        call(task, batches[0], state, probe, 2)
+        task.trainable_module = bare
+        refused("came through another model than microbatch 0", task, batches[1], state, probe, 2)
+        del wrapped
     finally:
         dist.destroy_process_group()
