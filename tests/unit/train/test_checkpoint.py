@@ -102,6 +102,17 @@ def test_checkpoints_with_or_without_the_old_checksum_load_as_their_state(tmp_pa
     assert newest_loadable(tmp_path) == (None, None)  # not a checkpoint name: the folder holds none
 
 
+def test_weights_saved_through_a_compile_or_ddp_wrapper_fit_on_resume():
+    """Checkpoints whose keys carry torch.compile's ``_orig_mod.`` (written before the trainer compiled in place)
+    or DDP's ``module.`` fit the model they were trained as."""
+    from naflex_accum.train.resume import check_fits
+
+    model = torch.nn.Linear(2, 3)
+    for prefix in ("_orig_mod.", "module.", "module._orig_mod.", "_orig_mod.module."):
+        saved = {prefix + key: value for key, value in model.state_dict().items()}
+        assert check_fits(model, saved, "--resume x.pt", "m").keys() == model.state_dict().keys(), prefix
+
+
 @pytest.mark.parametrize("flag", ["--resume", "--pretrained"])
 def test_a_text_file_is_not_a_checkpoint(tmp_path, flag):
     (tmp_path / "notes.pt").write_text("hello world, these are my notes\n")
