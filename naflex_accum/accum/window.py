@@ -61,9 +61,9 @@ class Window:
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """The model inside DDP and/or torch.compile wrappers."""
-    module = getattr(module, "module", module)
-    return getattr(module, "_orig_mod", module)
+    """The model inside a DDP wrapper. torch.compile adds none: the trainer compiles in place
+    (``model.compile()``), and a ``torch.compile(model)`` wrapper passes attribute reads to the model."""
+    return getattr(module, "module", module)
 
 
 class ModelRef:

@@ -32,7 +32,7 @@ from .samples import IMAGE_EXTS, Corruption, shard_samples
 from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import expand_sources, expand_urls, shard_weights
 from .slots import DataIndex
-from .workers import stop as stop_workers
+from .workers import of as worker_processes, stop as stop_workers
 
 log = logging.getLogger(__name__)
 RING_LOOKAHEAD = 4  # batches past the one delivered that get a ring buffer: more than workers run ahead
@@ -189,9 +189,8 @@ class TrainLoader:
 
     def close(self) -> None:
         """Stop the persistent workers (also done when the process exits); the next epoch starts new ones."""
-        iterator = getattr(self._workers, "_iterator", None)
-        if iterator is not None:
-            stop_workers(iterator)
+        if self._workers is not None:
+            stop_workers(worker_processes(self._workers))
         self._workers = self._receiver = None
 
     def __iter__(self) -> Iterator[Dict]:

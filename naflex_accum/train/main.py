@@ -85,7 +85,7 @@ def build_task(args, world, device):
                     "as upstream does")
     task = create_task(model, siglip=args.siglip, **loss_kwargs)
     if args.torchcompile:  # before DDP, as upstream's 'model' strategy
-        task.trainable_module = compile_model(model, args, world.distributed)
+        compile_model(model, args, world.distributed)  # in place: the task's trainable module is the model
     if world.distributed and not fsdp.sharded(model):
         ids = [device.index] if device.type == "cuda" else None
         task.trainable_module = DDP(task.trainable_module, device_ids=ids)

@@ -99,6 +99,8 @@ def test_every_trained_patch_size_loads_in_open_clip_and_timm(tmp_path, run):
             assert close(tower(patches), model.visual.trunk(patches)), size
     assert [config["naflex_patch_sizes"] for config in configs] == [SIZES, SIZES]
     assert configs[1]["model_args"]["enable_patch_interpolator"] is True
+    # built with the interpolator (timm's build-time option), not given one after: timm knows it takes any size
+    assert model.visual.trunk.supports_patch_interpolation and tower.supports_patch_interpolation
 
 
 def test_a_mid_epoch_checkpoint_records_its_sizes_in_its_schedule(tmp_path):

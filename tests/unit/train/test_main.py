@@ -124,6 +124,9 @@ def test_b16_state_dict_keys_match_open_clip():
     (["--naflex-seq-lens", "512"], "--naflex-seq-lens"),
     (["--config", "no-such-preset"], "--config"),
     (["--precision", "fp8"], "--precision"),
+    (["--torchcompile", "--torchcompile-mode", "bogus"], "--torchcompile-mode bogus: Unrecognized mode=bogus, should "
+                                                          "be one of: default"),
+    (["--torchcompile", "--torchcompile-backend", "bogus"], "--torchcompile-backend bogus: Invalid backend"),
 ])
 def test_bad_inputs_exit_2_with_one_line(shards, tmp_path, capsys, extra, message):
     code = cli_main(["train", *argv(shards, tmp_path, "bad"), *extra])
