@@ -178,3 +178,13 @@ def test_several_patch_sizes_train(shards, tmp_path):
     result = train(argv(shards, tmp_path, "ps", "--epochs", "1", "--naflex-patch-sizes", "16", "32",
                         "--naflex-seq-lens", "16", "--accum-freq", "2"))
     assert result["global_step"] > 0 and all(v == v for v in result["epoch_losses"])
+
+
+def test_several_patch_sizes_evaluate_and_zero_shot_at_the_first_size(shards, tmp_path):
+    """--naflex-patch-sizes 8 16: the held-out and zero-shot batches (at 8, not the tower's native 16) reach the
+    tower as it takes them, unflattened, as training's do."""
+    result = train(argv(shards, tmp_path, "ps816", "--epochs", "1", "--naflex-patch-sizes", "8", "16",
+                        "--accum-freq", "2", "--zeroshot-classes", "demo-shapes", "--zeroshot-frequency", "1"))
+    (epoch, metrics), = result["evals"]
+    assert epoch == 1 and {"image_to_text_R@1", "clip_val_loss", "shapes-zeroshot-val-top1"} <= metrics.keys()
+
