@@ -188,3 +188,21 @@ def test_several_patch_sizes_evaluate_and_zero_shot_at_the_first_size(shards, tm
     (epoch, metrics), = result["evals"]
     assert epoch == 1 and {"image_to_text_R@1", "clip_val_loss", "shapes-zeroshot-val-top1"} <= metrics.keys()
 
+
+def test_a_run_resumed_with_more_patch_sizes_exports_them(shards, tmp_path):
+    """Epoch 1 at the default size, epoch 2 resumed with --naflex-patch-sizes 8 16: each checkpoint records the
+    sizes it was trained with, and epoch_2.pt exports the tower taking both (not the first params.txt's one)."""
+    import json
+
+    from naflex_accum.commands.export import export
+
+    train(argv(shards, tmp_path, "more", "--epochs", "1", "--save-every-n-steps", "1"))
+    train(argv(shards, tmp_path, "more", "--naflex-patch-sizes", "8", "16", "--resume", "latest"))
+    ckpts = tmp_path / "more" / "checkpoints"
+    recorded = {p.name: torch.load(p, weights_only=True)["naflex_patch_sizes"] for p in ckpts.glob("*.pt")}
+    steps = [sizes for name, sizes in recorded.items() if name.startswith("step_")]  # mid-epoch ones too
+    assert steps and steps[0] == recorded["epoch_1.pt"] == [16] and recorded["epoch_2.pt"] == [8, 16]
+    export(ckpts / "epoch_2.pt", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "open_clip_config.json").read_text())
+    assert config["naflex_patch_sizes"] == [8, 16]
+    assert config["model_cfg"]["vision_cfg"]["timm_model_name"].endswith("_flexi")
