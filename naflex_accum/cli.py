@@ -19,7 +19,7 @@ try:  # first (see the module docstring)
     import sys
     from typing import List, Optional
 
-    from . import __version__
+    from . import __version__, output
     from .errors import UsageError
 except KeyboardInterrupt:
     import sys  # built in: loaded before any code runs
@@ -81,13 +81,15 @@ EXIT_FILE_ENV = "NAFLEX_ACCUM_EXIT_FILE"
 def entry(argv: Optional[List[str]] = None) -> int:
     """``main`` for a process that ends with the command (the console script, ``python -m``).
 
-    Ctrl-C is one line and exit 130 at any moment (``interrupt``, set up before the command's imports). With
+    Ctrl-C is one line and exit 130 at any moment (``interrupt``, set up before the command's imports); a
+    reader of its output that goes away (``| head``) ends nothing (``output``). With
     ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there: torchrun exits 1 whatever status
     its workers had, and a cluster script that requeues on 74 reads the trainer's own from the file.
     """
     install_interrupt()
     code = 1  # what an exception leaving here means
     try:
+        output.install()  # | head: the command goes on to its own end and status (``output``)
         code = main(argv, ends_process=True)  # a scheduler's SIGTERM after a run has saved must not kill it
         return code
     except KeyboardInterrupt:  # before main's own try (its parser): the same one line
@@ -95,6 +97,7 @@ def entry(argv: Optional[List[str]] = None) -> int:
         return code
     finally:
         finished()
+        output.flush()
         _record_exit(code)
 
 

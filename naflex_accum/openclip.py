@@ -9,6 +9,8 @@ try:  # first: a Ctrl-C from here on is the one line
     if __name__ == "__main__":
         install()
     import sys
+
+    from . import output
 except KeyboardInterrupt:
     import sys  # built in: loaded before any code runs
 
@@ -28,6 +30,7 @@ def main(argv=None) -> int:
 def entry() -> int:
     install()
     try:
+        output.install()  # | head: the run goes on to its own end and status (``output``)
         code = main()
         finished()  # from here on a Ctrl-C changes nothing
         return code
@@ -35,6 +38,7 @@ def entry() -> int:
         return interrupted(PROG)
     finally:
         finished()
+        output.flush()
 
 
 if __name__ == "__main__":
