@@ -4,16 +4,30 @@ Invariant: a bad input exits 2 with one ``naflex-accum <cmd>: error: ...`` line
 and no traceback, Ctrl-C one ``naflex-accum <cmd>: interrupted`` line and exit
 130 (``interrupt``); subcommand modules are imported only when chosen, so
 ``naflex-accum --help`` stays fast and nothing is patched by merely running it.
+Importing this module sets up Ctrl-C (``interrupt.install``, which leaves a
+handler someone else set alone): the console script imports it first thing,
+and its first statement does it, so that a Ctrl-C during any of the imports
+is the same one line (the window left is Python's own start-up).
 """
-import argparse
-import importlib
-import os
-import sys
-from typing import List, Optional
+try:  # first (see the module docstring)
+    from .interrupt import finished, install as install_interrupt, interrupted
 
-from . import __version__
-from .errors import UsageError
-from .interrupt import finished, install as install_interrupt, interrupted
+    install_interrupt()
+    import argparse
+    import importlib
+    import os
+    import sys
+    from typing import List, Optional
+
+    from . import __version__, output
+    from .errors import UsageError
+except KeyboardInterrupt:
+    import sys  # built in: loaded before any code runs
+
+    _command = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else ""
+    print(f"naflex-accum {_command}".rstrip() + ": interrupted", file=sys.stderr, flush=True)
+    exec("pass")  # as interrupt.interrupted does, which may not be imported yet
+    raise SystemExit(130) from None
 
 # name -> (module under naflex_accum.commands, one-line help)
 COMMANDS = {
@@ -25,6 +39,11 @@ COMMANDS = {
     "verify": ("verify", "audit split invariance of the step training would use, on this install"),
     "table": ("table", "print the full split-invariance table (docs/equivalence.md)"),
 }
+
+
+def _prog(argv) -> str:
+    """The name a one-line message begins with: ``naflex-accum COMMAND``, or ``naflex-accum`` before one."""
+    return f"naflex-accum {argv[0]}" if argv and argv[0] in COMMANDS else "naflex-accum"
 
 
 def _module(name: str):
@@ -62,17 +81,23 @@ EXIT_FILE_ENV = "NAFLEX_ACCUM_EXIT_FILE"
 def entry(argv: Optional[List[str]] = None) -> int:
     """``main`` for a process that ends with the command (the console script, ``python -m``).
 
-    Ctrl-C is one line and exit 130 at any moment (``interrupt``, set up before the command's imports). With
+    Ctrl-C is one line and exit 130 at any moment (``interrupt``, set up before the command's imports); a
+    reader of its output that goes away (``| head``) ends nothing (``output``). With
     ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there: torchrun exits 1 whatever status
     its workers had, and a cluster script that requeues on 74 reads the trainer's own from the file.
     """
     install_interrupt()
     code = 1  # what an exception leaving here means
     try:
+        output.install()  # | head: the command goes on to its own end and status (``output``)
         code = main(argv, ends_process=True)  # a scheduler's SIGTERM after a run has saved must not kill it
+        return code
+    except KeyboardInterrupt:  # before main's own try (its parser): the same one line
+        code = interrupted(_prog(sys.argv[1:] if argv is None else argv))
         return code
     finally:
         finished()
+        output.flush()
         _record_exit(code)
 
 

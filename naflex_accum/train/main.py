@@ -21,7 +21,7 @@ from ..data import DataConfig, make_train_loader, make_val_loader
 from ..data.loader import data_index
 from ..data.workers import stop_all as stop_workers
 from ..errors import QuietUsageError, UsageError, WriteError
-from ..models import create_model
+from ..models import create_model, takes_flat_patches
 from ..tasks import create_task
 from . import fsdp
 from .checkpoint import load_checkpoint
@@ -100,7 +100,7 @@ def eval_task(task, model, args, world, device):
     state = fsdp.full_model_state(model)
     if not world.is_master:
         return None
-    whole = create_model(args.model, siglip=args.siglip)
+    whole = create_model(args.model, siglip=args.siglip, patch_sizes=args.naflex_patch_sizes)
     whole.load_state_dict(state)
     return create_task(whole.to(device), siglip=args.siglip)
 
@@ -123,7 +123,8 @@ def build_data(args, world, model, device):
     if args.val_data and world.is_master:
         val = make_val_loader(args.val_data, tokenizer, seq_len=args.val_seq_len or max(args.naflex_seq_lens),
                               batch_size=args.val_batch_size, patch_size=args.naflex_patch_sizes[0], workers=0,
-                              decode=args.image_decode, timeout=args.data_timeout)
+                              decode=args.image_decode, timeout=args.data_timeout,
+                              flatten=takes_flat_patches(args.naflex_patch_sizes))
     return train, val
 
 
