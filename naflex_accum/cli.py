@@ -11,7 +11,7 @@ import sys
 from typing import List, Optional
 
 from . import __version__
-from .errors import UsageError
+from .errors import UsageError, last_word
 
 # name -> (module under naflex_accum.commands, one-line help)
 COMMANDS = {
@@ -45,10 +45,10 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
     try:
         return int(module.main(rest, prog=f"naflex-accum {name}", ends_process=ends_process) or 0)
     except UsageError as exc:
-        print(f"naflex-accum {name}: error: {exc}", file=sys.stderr)
+        print(last_word(f"naflex-accum {name}: error: {exc}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"naflex-accum {name}: interrupted", file=sys.stderr)
+        print(last_word(f"naflex-accum {name}: interrupted"), file=sys.stderr)
         return 130
 
 
@@ -58,13 +58,20 @@ EXIT_FILE_ENV = "NAFLEX_ACCUM_EXIT_FILE"
 def entry(argv: Optional[List[str]] = None) -> int:
     """``main`` for a process that ends with the command (the console script, ``python -m``).
 
-    With ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there: torchrun exits 1 whatever
-    status its workers had, and a cluster script that requeues on 74 reads the trainer's own from the file.
+    With ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there, with the one line the process
+    ended with under it: torchrun exits 1 whatever status its workers had, and a cluster script that requeues
+    on 74 reads the trainer's own from the file, and prints the line in its job log.
     """
     code = 1  # what an exception leaving here means
+    last_word("")
     try:
         code = main(argv, ends_process=True)  # a scheduler's SIGTERM after a run has saved must not kill it
         return code
+    except Exception as exc:  # a bug: its traceback follows on stderr
+        if not last_word():
+            lines = str(exc).strip().splitlines()
+            last_word(f"{type(exc).__name__}: {lines[0] if lines else ''} (a bug: the traceback is in the output)")
+        raise
     finally:
         _record_exit(code)
 
@@ -76,7 +83,7 @@ def _record_exit(code: int) -> None:
     tmp = f"{path}.{os.getpid()}"
     try:  # every rank of a job writes the same class (train.peers); the last replace stands
         with open(tmp, "w") as f:
-            f.write(f"{code}\n")
+            f.write(f"{code}\n{last_word()}\n" if code else f"{code}\n")
         os.replace(tmp, path)
     except OSError as exc:
         print(f"naflex-accum: cannot write the exit status to ${EXIT_FILE_ENV}={path} ({exc})", file=sys.stderr)
