@@ -20,7 +20,7 @@ try:  # first (see the module docstring)
     from typing import List, Optional
 
     from . import __version__, output
-    from .errors import UsageError
+    from .errors import UsageError, last_word
 except KeyboardInterrupt:
     import sys  # built in: loaded before any code runs
 
@@ -69,9 +69,10 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
             finished()  # from here on a Ctrl-C changes nothing
         return code
     except UsageError as exc:
-        print(f"naflex-accum {name}: error: {exc}", file=sys.stderr)
+        print(last_word(f"naflex-accum {name}: error: {exc}"), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        last_word(f"naflex-accum {name}: interrupted")
         return interrupted(f"naflex-accum {name}")
 
 
@@ -83,11 +84,13 @@ def entry(argv: Optional[List[str]] = None) -> int:
 
     Ctrl-C is one line and exit 130 at any moment (``interrupt``, set up before the command's imports); a
     reader of its output that goes away (``| head``) ends nothing (``output``). With
-    ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there: torchrun exits 1 whatever status
-    its workers had, and a cluster script that requeues on 74 reads the trainer's own from the file.
+    ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there, with the one line the process
+    ended with under it: torchrun exits 1 whatever status its workers had, and a cluster script that requeues
+    on 74 reads the trainer's own from the file, and prints the line in its job log.
     """
     install_interrupt()
     code = 1  # what an exception leaving here means
+    last_word("")
     try:
         output.install()  # | head: the command goes on to its own end and status (``output``)
         code = main(argv, ends_process=True)  # a scheduler's SIGTERM after a run has saved must not kill it
@@ -95,6 +98,11 @@ def entry(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:  # before main's own try (its parser): the same one line
         code = interrupted(_prog(sys.argv[1:] if argv is None else argv))
         return code
+    except Exception as exc:  # a bug: its traceback follows on stderr
+        if not last_word():
+            lines = str(exc).strip().splitlines()
+            last_word(f"{type(exc).__name__}: {lines[0] if lines else ''} (a bug: the traceback is in the output)")
+        raise
     finally:
         finished()
         output.flush()
@@ -108,7 +116,7 @@ def _record_exit(code: int) -> None:
     tmp = f"{path}.{os.getpid()}"
     try:  # every rank of a job writes the same class (train.peers); the last replace stands
         with open(tmp, "w") as f:
-            f.write(f"{code}\n")
+            f.write(f"{code}\n{last_word()}\n" if code else f"{code}\n")
         os.replace(tmp, path)
     except OSError as exc:
         print(f"naflex-accum: cannot write the exit status to ${EXIT_FILE_ENV}={path} ({exc})", file=sys.stderr)
