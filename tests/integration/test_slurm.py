@@ -404,6 +404,7 @@ def test_g_the_runner_on_upstream_is_requeued_and_resumes_from_its_checkpoint(cl
     events = [e.split(": ", 1)[1] for e in job.events()]
     assert events[1] == "stop requested (SIGUSR1: time limit near, or preempted)", events
     assert events[2] == "requeueing: upstream's trainer has no stop request: it resumes from its newest checkpoint"
+    assert not [e for e in events if e.startswith("failed")], events  # stopped for the requeue: no failure
     assert events[-2].startswith("start 2: ") and events[-1] == "finished", events
     log = job.out_log()
     assert re.search(r"=> resuming checkpoint '\S+/checkpoints/epoch_2.pt' \(epoch 2\)", log), log[-2000:]
