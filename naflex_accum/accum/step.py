@@ -6,6 +6,11 @@ the gradient of one full-batch backward of the window's loss, whatever the
 split: the scale is computed once from all sizes, the logit parameters
 (``logit_scale``, ``logit_bias``) take their gradient in one backward only, and
 each replayed microbatch draws the same random masks as its caching pass.
+Every backward of a window reaches the same parameters: the logit values take
+part in the others too, with a zero gradient (``zero_gradient``, exact), since
+FSDP2 under a ``param_dtype`` policy keeps the gradients that accumulate without
+sync in its ``reduce_dtype`` and reduce-scatters a unit only when all of its
+gradients share one dtype, and DDP needs every parameter in the synced one.
 
 Order of work in a window of k: microbatches 0..k-2 are cached without grad as
 they arrive; the last one's caching forward runs *with* grad and keeps its graph
@@ -48,6 +53,22 @@ from .window import (LOGIT_KEYS, SPENT, STEPPED, WINDOW_KEY, Microbatch, Window,
 
 __all__ = ["AccumulationStep", "LOGIT_KEYS", "Microbatch", "Window", "WINDOW_KEY", "backward", "detach_values",
            "finish_step", "is_naflex_batch", "total_loss"]
+
+
+class _ZeroGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value):
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(grad)
+
+
+def zero_gradient(value: torch.Tensor) -> torch.Tensor:
+    """``value`` itself in the forward, a zero gradient back to its parameter: a backward reaches the parameter
+    and adds nothing to its gradient (a detached value would leave it out)."""
+    return _ZeroGradient.apply(value) if value.requires_grad else value
 
 
 def total_loss(losses: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -109,13 +130,15 @@ class AccumulationStep:
         return window.scale
 
     def logit_inputs(self, model_out: dict, j: int, final: bool) -> dict:
-        """The logit values microbatch ``j``'s backward sees: attached (taking gradient) in the final one only.
+        """The logit values microbatch ``j``'s backward sees: taking gradient in the final one only.
 
         Every microbatch's backward carries the whole window's loss, so live
-        logit values in each would count their gradient k times. The final
-        backward is the synced one, so under DDP every parameter takes part in it.
+        logit values in each would count their gradient k times; the others pass
+        them through ``zero_gradient``, so each backward still reaches the logit
+        parameters (FSDP2 mixed precision, module docstring). The final backward
+        is the synced one, so under DDP every parameter takes its gradient there.
         """
-        return {key: (model_out[key] if final else model_out[key].detach())
+        return {key: (model_out[key] if final else zero_gradient(model_out[key]))
                 for key in LOGIT_KEYS if key in model_out}
 
     def replay_rng(self, microbatch: Microbatch):

@@ -44,6 +44,17 @@ def test_two_process_accumulation_equals_full_batch():
     assert worst <= 1e-5
 
 
+def test_two_process_fsdp2_bf16_policy_equals_full_batch():
+    """Upstream's ``--fsdp --precision amp_bf16`` sharding (bf16 parameters, fp32 reduction), both modes: the
+    window trains (one dtype per reduce-scatter) and matches one full-batch backward to bf16 round-off."""
+    proc, rows = dist_rows("--wrap", "fsdp2-bf16")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(rows) == 2 * 2 * 2 and all(r["passed"] for r in rows)
+    assert all(r["reduction_rounds"] == r["reference_rounds"] > 0 for r in rows)
+    assert all(set(r["logit_ratios"]) == ({"logit_scale", "logit_bias"} if r["loss"] == "siglip" else
+                                          {"logit_scale"}) for r in rows)
+
+
 def test_two_process_check_catches_upstream_bugs():
     proc, rows = dist_rows("--bug", "upstream-style")
     assert proc.returncode == 1 and rows and not any(r["passed"] for r in rows)

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from naflex_accum import CachedLossStep, ReplayStep, cached_loss_step, replay_step
-from naflex_accum.accum.contract import split_result
+from naflex_accum.accum.contract import split_result, task_result
+from naflex_accum.accum.step import total_loss
 from naflex_accum.errors import StepError
 from naflex_accum.testing.older_order import older as older_order
 from naflex_accum.upstream.audit import (GradProbe, audit_case, compare, concat_batches, full_batch_grads, named_params,
-                                         random_window)
+                                         random_window, window_spec)
 
 from .test_contract import losses_only
 
@@ -352,6 +353,20 @@ def test_sync_off_for_all_but_last_replay(counted):
     task = counted(fsdp_like=True)
     run_window(task, random_window((1, 2, 1)), make_args(accum_freq=3))
     assert task.trainable_module.sync_calls == [False, True, False, True]
+
+
+def test_a_logit_parameter_the_loss_leaves_out_keeps_no_gradient(make_task):
+    """CoCa's task drops logit_bias from the loss: as after a full-batch backward, it has no gradient (not a
+    zero one, which weight decay would act on), while logit_scale has one."""
+    task = make_task("coca", False, logit_bias=True)
+    batches = random_window((2, 1, 3), spec=window_spec("coca"))
+    run_window(task, batches, make_args(accum_freq=3), optimizer=torch.optim.SGD(task.parameters(), lr=0.0))
+    model = task.trainable_module
+    assert model.logit_bias.grad is None and model.logit_scale.grad is not None
+    task.zero_grad(set_to_none=True)
+    losses, _, _ = task_result(task(concat_batches(batches)), "task(batch)", None)
+    total_loss(losses).backward()  # the full-batch backward
+    assert model.logit_bias.grad is None and model.logit_scale.grad is not None
 
 
 def test_clip_once_per_window_and_clamp_after_step(counted, monkeypatch):
