@@ -25,6 +25,8 @@ except KeyboardInterrupt:
     import sys  # built in: loaded before any code runs
 
     _command = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else ""
+    if getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", "") == "naflex_accum.train.__main__":
+        _command = "train"  # python -m naflex_accum.train ARGS
     print(f"naflex-accum {_command}".rstrip() + ": interrupted", file=sys.stderr, flush=True)
     exec("pass")  # as interrupt.interrupted does, which may not be imported yet
     raise SystemExit(130) from None

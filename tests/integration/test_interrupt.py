@@ -117,7 +117,9 @@ def test_ctrl_c_while_the_command_imports_torch(tmp_path, command):
 
 
 PACKAGE = Path(__file__).resolve().parents[2] / "naflex_accum"
-EARLY = {"verify": COMMANDS["verify"], "openclip": COMMANDS["openclip"]}
+EARLY = {"verify": COMMANDS["verify"], "openclip": COMMANDS["openclip"],
+         "python -m train": ([sys.executable, "-m", "naflex_accum.train", *COMMANDS["train"][0][2:]],
+                             "naflex-accum train")}
 
 
 def early_ctrl_c(cmd, log: Path, delay: float):
