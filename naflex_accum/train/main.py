@@ -88,7 +88,11 @@ def build_task(args, world, device):
         compile_model(model, args, world.distributed)  # in place: the task's trainable module is the model
     if world.distributed and not fsdp.sharded(model):
         ids = [device.index] if device.type == "cuda" else None
-        task.trainable_module = DDP(task.trainable_module, device_ids=ids)
+        # find_unused_parameters keeps DDP's gradient buckets in one layout for the whole run: without it DDP
+        # rebuilds them after its first step in the order gradients became ready, so a resumed start's first
+        # step would sum 3+ ranks' gradients in another order than the uninterrupted run's, and its weights
+        # would part by round-off. The price is one autograd-graph walk per window and one warning per rank.
+        task.trainable_module = DDP(task.trainable_module, device_ids=ids, find_unused_parameters=True)
     return task, model
 
 

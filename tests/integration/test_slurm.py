@@ -237,12 +237,10 @@ def test_a_preempted_two_node_job_resumes_to_the_uninterrupted_weights(preempted
                      events[2]), events
     assert events[3].endswith("requeueing: the trainer saved after SIGUSR1")
     assert ": start 2: 2 process(es) per node" in events[4]
-    # Not bit for bit at world size 4 (a resume at 2 is: tests d and f): DDP sums 4 ranks' gradients in another
-    # order on the first step after a start, which moves the weights by round-off (docs/long-runs.md). A skipped
-    # or repeated step moves them by 1e-3 and more.
-    resumed, whole = (weights(job.run / "checkpoints/epoch_2.pt") for job in (preempted, whole4))
-    assert resumed.keys() == whole.keys()
-    assert max((resumed[k] - whole[k]).abs().max().item() for k in whole) < 1e-5
+    # Bit for bit at world size 4 too: DDP keeps one bucket layout for the run (train/main.py), so the resumed
+    # start's first step sums the 4 ranks' gradients in the uninterrupted job's order (with the layout DDP
+    # rebuilds after its first step, they part by 2e-6).
+    assert_identical(*(weights(job.run / "checkpoints/epoch_2.pt") for job in (preempted, whole4)))
     assert_epochs_exact(preempted, whole4)
 
 
