@@ -1,12 +1,8 @@
 """naflex-accum: exact gradient accumulation for OpenCLIP NaFlex CLIP and SigLIP training.
 
-``train_step_eager`` is the drop-in for ``open_clip_train.train._train_step_eager``: the default
-accumulation mode (``cached-loss``, the window loss once per window), the step that ``install()`` and
-``naflex-accum train`` use unless told otherwise. ``replay_step`` is the other mode (the window loss
-once per microbatch, as upstream). Importing this package changes nothing in open_clip or timm:
-patching happens only when ``install()`` or ``patched()`` is called. Nor does it import torch: each
-name below loads its module on first use, so an entry point can make Ctrl-C one line (``interrupt``)
-before torch's import starts, or any other import (the console script imports this package first).
+``train_step_eager`` is the drop-in for ``open_clip_train.train._train_step_eager`` (the default ``cached-loss``
+mode); ``replay_step`` the other mode. Importing this package patches nothing (``install()``/``patched()`` do)
+and imports no torch: each name loads its module on first use, so an entry point sets up Ctrl-C first.
 """
 __version__ = "0.1.0"
 

@@ -1,13 +1,8 @@
 """The ``naflex-accum`` console script: one subcommand per module in ``naflex_accum.commands``.
 
-Invariant: a bad input exits 2 with one ``naflex-accum <cmd>: error: ...`` line
-and no traceback, Ctrl-C one ``naflex-accum <cmd>: interrupted`` line and exit
-130 (``interrupt``); subcommand modules are imported only when chosen, so
-``naflex-accum --help`` stays fast and nothing is patched by merely running it.
-Importing this module sets up Ctrl-C (``interrupt.install``, which leaves a
-handler someone else set alone): the console script imports it first thing,
-and its first statement does it, so that a Ctrl-C during any of the imports
-is the same one line (the window left is Python's own start-up).
+Invariant: a bad input exits 2 with one ``naflex-accum <cmd>: error: ...`` line, Ctrl-C one ``interrupted``
+line and exit 130; subcommand modules are imported only when chosen. Importing this module sets up Ctrl-C
+(``interrupt.install``) first thing, so a Ctrl-C during any import is that one line too.
 """
 try:  # first (see the module docstring)
     from .interrupt import finished, install as install_interrupt, interrupted

@@ -1,21 +1,10 @@
-"""User-facing errors and the generic validators every setting goes through.
+"""User-facing errors and the generic validators every setting goes through; imports nothing of the package.
 
-Invariant: every error a user can meet is one of these classes and its message
-is one line: a ``UsageError`` names the flag or file at fault and what would be
-valid (the CLI prints it and exits 2, no traceback; ``WriteError`` a run-folder
-file that cannot be written; ``QuietUsageError`` another rank's copy of rank
-0's, which only rank 0 prints); a ``StepError`` (and its ``ContractError``) is
-the accumulation step's refusal; ``PatchError``, ``SelfCheckFailed`` and
-``StartFailed`` (exit 1: upstream's ``main`` failed to start) the runner's. A
-``TransientError`` is one line too, for a failure that says nothing about the
-settings (storage gone mid-run, input that stopped coming): the trainer exits 74
-on it, which a cluster script may retry; ``storage_gone(errno)`` says which OS
-errors mean the storage went away, not that it is full or read-only. Nothing
-here imports the rest of the package. ``OneLineParser`` makes argparse's own
-errors (unknown flag, bad choice) follow the same rule instead of dumping the
-whole usage text; ``check_int`` is the one integer validator every setting goes
-through. ``last_word`` keeps the one line a
-process ended with, for ``$NAFLEX_ACCUM_EXIT_FILE`` (a cluster script's job log).
+Invariant: every error a user can meet is one of these classes, its message one line: ``UsageError`` (exit 2,
+naming the flag or file and what is valid), ``StepError``/``ContractError`` (the step's refusals), the runner's
+``PatchError``, ``SelfCheckFailed``, ``StartFailed`` (exit 1), and ``TransientError`` (exit 74: storage gone,
+input stopped). ``OneLineParser`` and ``check_int`` hold argparse's errors and integers to the same rule.
+docs/long-runs.md, "Exit codes".
 """
 import argparse
 import errno as _errno

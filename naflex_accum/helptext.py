@@ -1,11 +1,7 @@
 """``--help`` of the commands: every flag's help ends with its default, said once.
 
-Invariant: with ``DefaultsFormatter`` a flag's help names its default exactly
-once. A help text that says ``(default: ...)`` itself keeps its own words (a
-default that needs them: "the data set's", "cuda if available"); any other gets
-``(default: VALUE)`` with the value as it would be typed on the command line
-(``shown_default``: several values space-joined, an empty string ``''``, a
-switch ``off``). Nothing else about argparse's help changes.
+Invariant: a help that says ``(default: ...)`` keeps its words; any other gets ``(default: VALUE)``, the value as
+typed on the command line (``shown_default``). Nothing else about argparse's help changes.
 """
 import argparse
 

@@ -1,16 +1,9 @@
 """Ctrl-C: one line ``PROG: interrupted`` on stderr and exit 130, whatever the command was doing.
 
-Invariant: a terminal sends SIGINT to every process of its foreground group: the command's process and the
-processes it forked (the data loader's workers). From ``install`` on (each entry point's first statement),
-SIGINT raises ``KeyboardInterrupt`` in the process that installed it alone, and the entry
-point turns it into the one line (``interrupted``) once the teardown it unwinds through has run (workers
-stopped, the run folder's lock released; a checkpoint being written is not there, the one before it
-whole: ``train.checkpoint``); a forked child inherits the handler and ignores SIGINT, since its parent stops it.
-Only the first SIGINT counts: more, while the command stops (a Ctrl-C pressed twice), are ignored.
-A SIGINT inside a ``deferred`` block (starting the loader's workers) acts when the block ends. Once the
-command has returned, ``finished`` ignores SIGINT, so a late Ctrl-C cannot change its status. Nothing here
-imports a module Python's start-up has not already loaded, so the handler is in place before any import
-of the command's can be interrupted; the one window left is Python's own start-up (docs/long-runs.md).
+Invariant: from ``install`` on, SIGINT raises ``KeyboardInterrupt`` in the installing process alone (forked
+children ignore it: their parent stops them), once; a ``deferred`` block holds it to the block's end, and after
+``finished`` it is ignored. Nothing here imports what Python's start-up has not loaded. docs/long-runs.md,
+"Ctrl-C: one line, exit 130".
 """
 import os
 import sys

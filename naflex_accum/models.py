@@ -1,23 +1,9 @@
 """NaFlex CLIP models built from open_clip's own classes with a timm NaFlexVit trunk.
 
-Invariant: a model made here is an ``open_clip.model.CLIP`` whose image tower
-is open_clip's ``TimmModel`` around a timm ``NaFlexVit``, so its state_dict keys
-are open_clip's and a checkpoint loads with ``open_clip.create_model`` from
-the same JSON config. Called with ``image={patches, patch_coord, patch_valid}``
-and ``text=tokens`` it returns open_clip's output dict (``image_features``,
-``text_features``, ``logit_scale`` and, for SigLIP, ``logit_bias``).
-
-timm has no NaFlexVit small enough for CPU tests, so ``register_timm_models()``
-adds a few named sizes to timm's registry; it runs only when called (by
-``create_model`` here, or ``register()``), never at import. ``register()`` is the
-one step before plain open_clip or timm builds these models (an exported model,
-a checkpoint): the timm sizes, and the model configs under open_clip's names.
-
-A model for several patch sizes (``patch_sizes``) has the same parameters and
-state_dict keys; its tower is timm's own built with ``enable_patch_interpolator=True``
-(FlexiViT: the patch embedding resampled to each batch's patch size). open_clip
-3.3.0 passes no model arguments to timm, so the config names it by a timm name
-registered here: the tower's name with ``_flexi`` (``any_patch_size``).
+Invariant: a model made here is an ``open_clip.model.CLIP`` whose image tower is open_clip's ``TimmModel``
+around a timm ``NaFlexVit``, so its state_dict is open_clip's and ``open_clip.create_model`` loads it from the same
+config (after ``register()``: the timm sizes and ``_flexi`` names, never at import). Several ``patch_sizes`` keep
+the same parameters, the tower built with timm's ``enable_patch_interpolator``. docs/api.md, "Models and tasks".
 """
 import copy
 import dataclasses

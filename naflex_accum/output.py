@@ -1,10 +1,8 @@
 """A command's stdout and stderr after their reader has gone (``naflex-accum export CKPT DIR | head -1``).
 
-Invariant: from ``install`` on, a write or flush that finds its pipe closed points that stream's file
-descriptor at the null device (Python's advice for a closed stdout) and counts as done, so no
-``BrokenPipeError`` reaches the command: it goes on to its own end and exit status, and what it would still
-have printed goes nowhere (a run's log is in its ``out.log`` too). Everything else is the stream's own.
-Nothing here imports more than Python's start-up has loaded (see ``interrupt``).
+Invariant: from ``install`` on, a write or flush that finds its pipe closed points the stream at the null
+device and counts as done, so no ``BrokenPipeError`` reaches the command and it runs to its own end and status.
+Nothing here imports more than Python's start-up has loaded.
 """
 import os
 import sys

@@ -1,10 +1,7 @@
 """CLIP, SigLIP and CoCa training tasks that speak upstream open_clip's task protocol.
 
-Invariant: ``task(batch)`` and ``task.compute_accum_loss(inputs, inputs_no_accum,
-accum_batches)`` compute the same loss function, so a window replayed through
-the accumulation step and one full-batch forward see one objective. The
-protocol (``trainable_module``, ``batch_size``, ``clamp_logit_scale``,
-``prepare_batch``) is upstream's, so the step works with either.
+Invariant: ``task(batch)`` and ``task.compute_accum_loss(...)`` compute one loss function, so a replayed window
+and one full-batch forward see one objective.
 """
 import math
 from typing import Dict, Optional, Tuple

@@ -1,17 +1,9 @@
 """The default mode: the window loss computed once per window (the GradCache method, Gao et al. 2021).
 
-Invariant: the same as ``step.AccumulationStep``'s (every parameter's gradient
-equals ``window_scale * grad(full-batch loss)``, logit parameters counted
-once), reached with one loss evaluation per window instead of k. Each key's
-cached outputs are concatenated once into a leaf of the step's own; the task's
-``compute_accum_loss`` gets its own copies of the inputs dicts (it may read,
-add, replace or drop entries, as upstream's CoCaTask does) and only the
-step's floating-point leaves and logit values are differentiated. Each leaf's
-gradient is split by that key's recorded per-microbatch lengths, and each
-microbatch back-propagates its slices through its live outputs (its replay,
-or for the last one the graph of its caching forward), times ``replay_scale``;
-the logit values ``logit_inputs`` gives each backward take their gradient there
-(a zero one except in the final backward).
+Invariant: ``step.AccumulationStep``'s, with one loss evaluation per window: each key's cached outputs become
+one leaf of the step's own (``compute_accum_loss`` gets copies of the dicts, which it may rewrite, as upstream's
+CoCaTask does), and each leaf's gradient is split by the recorded per-microbatch lengths and back-propagated
+through each microbatch's live outputs, times ``replay_scale``. docs/api.md, "What a step does".
 """
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple

@@ -1,23 +1,9 @@
 """Upstream's task-and-step contract, generation by generation, and how the step speaks each one.
 
-Invariant: the step reads a task's results and hands its own result to the
-training loop only through a ``Contract``, so one step serves every generation
-upstream has had under the one signature ``_train_step_eager(task, batch,
-accum_state, optimizer, scaler, autocast, args)``. A value in the contract's
-form is converted; anything else raises ``ContractError``, one line naming what
-was expected and what came, before the step uses it. ``contract=None`` follows
-the task: the form of each task result picks the generation, and the step
-answers in the same one.
-
-The generations (``../shared/UPSTREAM_CONTRACT.md``):
-
-- ``losses`` (upstream 5964c41, 2026-05-22, to 2026-06-13): ``task(batch)`` and
-  ``compute_accum_loss`` return ``losses`` alone, ``task(batch)``'s with
-  ``logit_scale`` among them; the step returns ``(losses, step_batch_size,
-  accum_state)`` and the loop logs ``losses["logit_scale"]``.
-- ``report`` (upstream 5f9ae12, 2026-06-14, on; 89fb801): both return
-  ``(losses, report)``, ``report`` holding ``logit_scale`` (and ``logit_bias``);
-  the step returns ``(losses, report, step_batch_size, accum_state)``.
+Invariant: the step reads task results and answers the loop only through a ``Contract``, so one step serves
+every generation under upstream's one signature; a value not in the contract's form raises ``ContractError``
+(one line) before the step uses it; ``contract=None`` follows each task result's form. The generations
+(``losses``, ``report``): ``../shared/UPSTREAM_CONTRACT.md`` and docs/api.md, "Which contract a step speaks".
 """
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple

@@ -1,12 +1,8 @@
 """The accumulation modes and which one runs by default.
 
-Invariant: every mode here is exact (the equivalence tests run over all of
-them), so the default can be the fastest: ``cached-loss`` computes the window
-loss once (``naflex_accum.train_step_eager``, the drop-in, is its step);
-``replay`` recomputes it per microbatch, as upstream does, and is kept for
-comparison and for losses whose cached evaluation one would rather not trust.
-``NAFLEX_ACCUM_MODE`` overrides the default for the patched upstream step,
-whose command line is upstream's.
+Invariant: every mode here is exact (the equivalence tests run over all), so the default is the fastest,
+``cached-loss``; ``replay`` recomputes the loss per microbatch, as upstream. ``NAFLEX_ACCUM_MODE`` overrides the
+default for the patched upstream step (docs/upstream.md, "Accumulation modes and ``NAFLEX_ACCUM_MODE``").
 """
 import importlib
 import os

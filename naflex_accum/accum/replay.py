@@ -1,12 +1,7 @@
 """The replay mode: the window loss recomputed for every microbatch, as upstream open_clip does it.
 
-Invariant: the same as ``step.AccumulationStep``'s (every parameter's gradient
-equals ``window_scale * grad(full-batch loss)``, logit parameters counted
-once). Microbatch j's backward is that of the whole window's loss with j's
-outputs live and the others' cached (upstream's replay), multiplied by
-``replay_scale``; the last microbatch uses the graph of its caching forward
-instead of a replay. Kept beside the default ``cached-loss`` mode for
-comparison, and for losses one would rather not evaluate on cached leaves.
+Invariant: ``step.AccumulationStep``'s: microbatch j's backward is the whole window's loss with j's outputs
+live and the others' cached, times ``replay_scale``; the last microbatch uses its caching forward's graph.
 """
 from dataclasses import dataclass, field
 from typing import Any, Tuple

@@ -1,11 +1,8 @@
 """Capture and replay of the random state around one microbatch forward.
 
-Invariant: a microbatch replayed under ``RngState.replay()`` draws exactly the
-random numbers its caching forward drew (dropout, patch dropout, drop path),
-on the CPU and on every CUDA device its tensors live on, and the random stream
-outside the replay is left where the caching forwards put it, as if the
-replays had never run. (The idea is GradCache's ``RandContext``.) The same
-type carries a process's random state into a checkpoint and back.
+Invariant: a replay under ``RngState.replay()`` draws exactly what its caching forward drew, on the CPU and
+every CUDA device its tensors live on, and leaves the stream outside as if no replay had run (GradCache's
+``RandContext``). The same type carries a process's random state into a checkpoint and back.
 """
 from contextlib import contextmanager
 from typing import Iterable, List, Optional

@@ -1,10 +1,7 @@
-"""Pure maths of the NaFlex loss scale for one accumulation window.
+"""Pure maths of the NaFlex loss scale for one accumulation window (no torch).
 
-Invariant: the scale depends only on the *multiset* of microbatch sizes in a
-window (their sum and count), never on their order or on which replay is
-running, so how a window is split cannot change the update. No torch here:
-these functions take plain Python numbers and are cheap to call before any
-forward pass.
+Invariant: the scale depends only on the multiset of microbatch sizes (their sum and count), never their order
+or the replay, so a split cannot change the update. docs/api.md, "The maths".
 """
 import math
 from typing import Optional, Sequence, Union

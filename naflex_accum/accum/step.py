@@ -1,43 +1,12 @@
 """The accumulation step both modes share: upstream's ``_train_step_eager`` contract, one loss scale per window.
 
-Invariant: for a full accumulation window, the gradient of every parameter
-right before the optimizer step equals ``window_scale * d(L_window)/d(theta)``,
-the gradient of one full-batch backward of the window's loss, whatever the
-split: the scale is computed once from all sizes, the logit parameters
-(``logit_scale``, ``logit_bias``) take their gradient in one backward only, and
-each replayed microbatch draws the same random masks as its caching pass.
-Every backward of a window reaches the same parameters: the logit values take
-part in the others too, with a zero gradient (``zero_gradient``, exact), since
-FSDP2 under a ``param_dtype`` policy keeps the gradients that accumulate without
-sync in its ``reduce_dtype`` and reduce-scatters a unit only when all of its
-gradients share one dtype, and DDP needs every parameter in the synced one.
-
-Order of work in a window of k: microbatches 0..k-2 are cached without grad as
-they arrive; the last one's caching forward runs *with* grad and keeps its graph
-(gradient sync off), the window's loss gradient through it is back-propagated
-first, then microbatches 0..k-2 are replayed, the last replay carrying the
-gradient sync and the logit terms. So a window costs one forward less than
-upstream's. ``window_scale`` holds the scale of the last step made, for the
-training loop to log.
-
-Signature and return contract match upstream's, in the generation the step
-was built for (``contract.Contract``; ``None`` follows the task's own form):
-``None`` while a window fills, else ``(losses, report, step_batch_size, ([], {}))``
-(or ``(losses, step_batch_size, ([], {}))`` in the older generation). A
-state passed again after its window closed, mixed with another window's, or
-filled through two models is refused before the microbatch's forward
-(``window.window_cache``, ``WindowCache.check_model``). A call whose forward
-fails leaves the window as it was (that microbatch can be given again); once
-a window's outputs are all kept its backward has begun, and a failure from
-there on closes it. Task results go through ``task_result``, which refuses a
-form the contract does not know before the step uses it.
-The hooks (GradCache style) mean the same in both modes, so a variant, or a
-reference bug, overrides one decision and gets it in both:
-``replay_scale(window, j)`` multiplies microbatch j's gradient,
-``logit_inputs(model_out, j, final)`` says which logit values take gradient in
-microbatch j's backward (the attached ones), ``replay_rng(microbatch)`` is the
-random state a replay runs under, ``grad_sync(module, enabled)`` whether a
-backward all-reduces.
+Invariant: for a full window, each parameter's gradient before the optimizer step is ``window_scale`` times
+one full-batch backward's, whatever the split: one scale from all sizes, the logit parameters' gradient in one
+backward (a zero one in the others, so FSDP2 and DDP see every parameter in every backward), replays under
+their caching pass's random state. The last microbatch's caching forward keeps its graph and goes first; the
+last replay carries the sync. Misuse (a closed, mixed or two-model window) is refused before the forward; a
+failed forward leaves the window as it was. Contract, order of work and the hooks (``replay_scale``,
+``logit_inputs``, ``replay_rng``, ``grad_sync``): docs/api.md, "The steps".
 """
 from typing import Dict, List, Optional
 

@@ -1,24 +1,11 @@
 """What an accumulation step keeps about one window while it fills: sizes, random states, cached outputs.
 
-Invariant: every model output other than ``logit_scale``/``logit_bias`` is kept
-per microbatch, detached, with its per-microbatch length along dim 0 recorded,
-so the window's loss inputs are each key's concatenation in microbatch order
-(as upstream builds them) and a gradient with respect to that concatenation
-splits back into exact per-microbatch slices. An output that cannot be
-concatenated (not a tensor, no leading dimension, other dimensions or dtype
-differing between microbatches, a key missing) is refused at the microbatch
-that shows it, with one line naming the key and the shapes: neither mode could
-build the loss inputs from it.
-
-The bookkeeping rides in the ``accum_state`` it belongs to (``window_cache``),
-holds the very batch objects of that state's batch list, and a weak reference
-to the model of its first microbatch (a deep copy of the state keeps it, so
-the copy is a window of its own through the same model). So a state passed
-again after its window closed (a pickle or copy of it too), one whose batches
-and bookkeeping disagree (two states sharing one window's bookkeeping, a batch
-added or replaced by hand) and a window filled through two models are each
-refused in one line before the microbatch's forward: Python-side counts and
-identity, no tensor work. A batch's tensors changed in place are not seen.
+Invariant: every output but ``logit_scale``/``logit_bias`` is kept per microbatch, detached, with its length
+along dim 0, so each key's concatenation is the window's loss input and its gradient splits back exactly; an
+output that cannot be concatenated is refused in one line at the microbatch that shows it. The bookkeeping
+rides in its ``accum_state`` (``window_cache``) with a weak reference to the first microbatch's model, so a
+state reused after its window closed, batches and bookkeeping that disagree, or two models are refused before
+the forward. In-place changes to a batch's tensors are not seen. docs/api.md, "Misuse the step refuses".
 """
 import weakref
 from dataclasses import dataclass, field

@@ -1,14 +1,8 @@
 """``naflex-accum demo``: make the synthetic demo data once, train the tiny model on the CPU, show what it learnt.
 
-The summary puts held-out retrieval and zero-shot classification (the demo's
-colour-shape classes, ``class_lists/demo-shapes.yaml``) before training next to
-after the last epoch.
-
-Invariants: the demo data lives in a cache folder and is written to a
-temporary sibling first, then renamed, so a folder that exists is complete;
-each demo run gets a new run folder (``demo-<date>``), so nothing earlier is
-overwritten. Any ``naflex-accum train`` flag after the demo's own wins over
-the ``demo`` preset (configs/runs/demo.yaml).
+Invariant: the demo data is written to a temporary sibling and renamed, so a cache folder that exists is
+complete; each run gets a new ``demo-<date>`` folder; ``train`` flags after the demo's own win over the
+``demo`` preset. docs/training.md, "The demo".
 """
 import os
 import shutil

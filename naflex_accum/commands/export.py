@@ -1,21 +1,9 @@
 """``naflex-accum export CHECKPOINT DIR``: a trained model as open_clip and timm load it.
 
-Invariants: DIR gets an open_clip ``local-dir:`` model (``open_clip_config.json``
-with the ``model_cfg`` the model was built from, and
-``open_clip_model.safetensors``) and, for a timm image tower, that tower alone
-in timm's own folder format (``timm/config.json``, ``timm/model.safetensors``:
-the ``visual.trunk.`` weights without the prefix); the weights written are
-the checkpoint's, loaded strictly into the model first, so a checkpoint that
-does not fit its model is refused instead of exported. A DDP, FSDP or
-``torch.compile`` checkpoint exports as a plain one (``module.`` and
-``_orig_mod.`` are dropped from its keys). The export is made in a hidden
-folder beside DIR and renamed into place, so a failed or interrupted (Ctrl-C) one
-leaves nothing; it never writes over anything: an existing non-empty DIR is refused.
-The model comes from ``--model``, else from the ``params.txt`` of the run folder
-holding CHECKPOINT. A model trained with several ``--naflex-patch-sizes`` (the
-checkpoint's own record, else its schedule, else that params.txt) exports as the trainer built it,
-taking every patch size (``models.any_patch_size``); both configs record the
-sizes as ``naflex_patch_sizes``. Every bad input is one line, exit 2.
+Invariant: DIR gets an open_clip ``local-dir:`` model and, for a timm tower, that tower in timm's folder format,
+from the checkpoint's weights loaded strictly first (DDP, FSDP and compiled keys made plain); it is built in a
+hidden sibling and renamed, so a failed export leaves nothing, and a non-empty DIR is refused. Every bad input
+is one line, exit 2. docs/training.md, "Exporting a model: ``naflex-accum export``".
 """
 import ast
 import json

@@ -1,10 +1,7 @@
 """``naflex-accum make-demo-data DIR``: synthetic image-caption webdataset shards for the demo.
 
-Writes DIR/train/shard-*.tar and DIR/val/shard-*.tar (shapes of six colours, two
-sizes and five positions on four backgrounds, captioned "a small red triangle
-at the top left on a grey background"), each with open_clip's sizes.json, and
-prints the --train-data / --val-data patterns. Refuses a non-empty DIR unless
---force, so nothing already there is overwritten by accident.
+Writes DIR/train and DIR/val shards with open_clip's sizes.json and prints the --train-data / --val-data
+patterns; a non-empty DIR is refused unless --force. docs/data.md, "make-demo-data".
 """
 import os
 import time

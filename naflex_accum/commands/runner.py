@@ -1,10 +1,6 @@
 """``naflex-accum openclip ARGS...``: upstream open_clip main's trainer with the fixed step installed.
 
-Invariant: the same as ``python -m naflex_accum.openclip``: ARGS go to
-``open_clip_train.main.main`` unchanged, after the patch is in place; an
-open_clip without NaFlex training, or ARGS upstream would crash on, exit 2
-with one line (on rank 0 only, when every rank refuses the same ARGS); a start
-that fails before its first step, exit 1 with one line and no run folder it made.
+Invariant: the same as ``python -m naflex_accum.openclip`` (``upstream.runner``).
 """
 from ..errors import QuietUsageError
 from ..upstream.runner import run

@@ -1,15 +1,9 @@
 """``naflex-accum verify``: audit split invariance of the step training would use, on this install.
 
-Invariant: the audited step is the one a run here would call. With upstream
-open_clip main installed and matching the contract, that is
-``open_clip_train.train._train_step_eager`` looked up through its module at
-call time (as ``train_one_epoch`` does) while ``naflex_accum.install()`` is in
-effect, on a tiny task built by upstream's own factory (CLIP, SigLIP or CoCa);
-the patch is taken out again afterwards. Otherwise it is the step of
-``naflex-accum train`` (the default accumulation mode, or ``--accum-mode``) on
-the built-in tiny task. ``--step`` audits any other function of the same
-signature, unpatched. A step that raises fails its row with the error, never a
-traceback. Exit 0 only if every row passes.
+Invariant: the audited step is the one a run here would call: upstream's, looked up through its module while
+``install()`` is in effect, on a tiny task of upstream's own factory; else ``naflex-accum train``'s on the
+built-in one; ``--step`` any other, unpatched. A step that raises fails its row, never a traceback; exit 0 only
+if every row passes. docs/upstream.md, "``naflex-accum verify``".
 """
 import contextlib
 import importlib

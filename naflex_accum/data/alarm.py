@@ -1,19 +1,9 @@
 """The wait for a batch of a loader that reads in this process (``--workers 0``), bounded by ``--data-timeout``.
 
-Invariant: while the main thread waits for such a batch, an interval timer runs;
-once the wait passes ``timeout`` seconds its SIGALRM handler kills the process
-groups of the ``pipe:`` commands this process has open (``pipes.kill_all``) and
-raises inside the read. A read blocked on a command, a FIFO or a socket returns
-to Python for the handler (PEP 475), and what it raises is a ``BaseException``,
-so no ``except Exception`` of the pipeline takes it for a bad sample; every
-stream is closed on its way out, and the wait raises ``LoaderTimeout`` (a
-``TransientError``: exit 74) within moments of the timeout. The timer is stopped
-and the previous SIGALRM handler put back when the wait ends. Only the main
-thread takes signals: elsewhere, with no timeout, or while another real-time
-timer is armed (pytest-timeout's, say: there is one such timer a process, and it
-is left as it is), the wait is not bounded; a read stuck inside the kernel (a
-hard NFS mount) is out of any signal's reach.
-Loader workers are watched by ``workers``' watchdog instead.
+Invariant: past ``timeout`` seconds a SIGALRM kills this process's ``pipe:`` groups and raises a
+``BaseException`` inside the read (no ``except Exception`` takes it for a bad sample); the wait then raises
+``LoaderTimeout`` (exit 74) and the previous handler is put back. Main thread only, and not while another
+real-time timer is armed. docs/long-runs.md, "Loader failures: exit 74 within seconds".
 """
 import signal
 import threading

@@ -1,14 +1,8 @@
 """A batch from the parts the loader workers of a rank built of it (``pipeline``).
 
-Invariant: the assembled batch is row for row what one process reading every
-slot of the rank would have built: row ``t`` is the part row that ``meta["rows"]``
-places at ``t``, so a batch's rows, and so its losses and gradients, are the
-same bit for bit whatever the number of workers. A batch built whole by one
-part is passed on as it is (no copy); otherwise each part is copied once into
-a new batch (pinned when the parts were, for CUDA). The patches of a new batch
-(tens of MB) go into memory a ``Pool`` recycles once nothing holds that batch
-any more: fresh memory of that size costs a page fault per 4 KB, ten times
-the copy itself.
+Invariant: row ``t`` of the batch is the part row ``meta["rows"]`` places at ``t``, so a batch is bit for bit
+the same whatever the number of workers; a batch built by one part passes uncopied, else each part is copied
+once into memory a ``Pool`` recycles (fresh memory costs a page fault per 4 KB, ten times the copy).
 """
 import functools
 import math

@@ -1,10 +1,6 @@
 """Throughput of the training data pipeline: ``python -m naflex_accum.data.bench --train-data PATTERN``.
 
-Invariant: measures only the loader (decode, resize, patchify, pad, tokenize,
-worker transfer), nothing of the model. Reports samples/s, real image tokens/s
-(valid patches) and token slots/s (batch_size * seq_len, what the model pays
-for), over the whole epoch and in steady state (after the first batch, which
-carries worker start-up and the shuffle buffer's fill).
+Invariant: measures the loader alone (samples/s, image tokens/s, token slots/s), whole epoch and steady state.
 """
 import argparse
 import time

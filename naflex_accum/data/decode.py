@@ -1,27 +1,9 @@
 """Encoded image -> uint8 RGB at its NaFlex size, decoding a JPEG no larger than that size needs.
 
-Invariant: ``decode_for_seq(data, seq_len, patch)`` has exactly the size
-``resize_for_seq(decode_rgb(data), seq_len, patch)`` has (the NaFlex target of the
-full image, ``naflex.size_for_seq``), converted as ``images`` says, and fails where
-that fails. Only how a JPEG becomes the target differs: where libjpeg-turbo's
-DCT scaling by 1/2, 1/4 or 1/8 still leaves every side at or above the target,
-the largest such reduction is decoded (simplejpeg), then resized to the target
-with the same bicubic as ever. That path is taken only for what it decodes as
-``decode_rgb`` would (``ImageInfo.scalable``: 8-bit grey or colour, baseline or
-progressive, no EXIF rotation) and only when libjpeg reports nothing wrong
-(simplejpeg's ``strict``): a warning, a 12-bit or CMYK file, a rotation, a size
-that is not the expected one, or no simplejpeg at all goes the full way, which
-decides, as before, whether the image decodes or is counted undecodable. A full
-decode is never done twice, and at scale 1 the result is the full path's bit
-for bit (``mode="full"`` always takes it). How far the scaled pixels move from
-the full path's is measured in ``benchmarks/bench_data.py --photos``.
-
-Memory: no decode holds more than ``DECODE_BUDGET`` bytes at once (as
-``images.peak_bytes`` bounds it from the header, before anything is decoded).
-An image whose full decode would take more is decoded reduced where that fits
-(a ``scalable`` JPEG, at the smallest DCT reduction whose decode fits, in either
-mode, then resized to the same target), and otherwise raises ``ValueError``: the
-pipeline counts it unusable, as an undecodable image.
+Invariant: ``decode_for_seq(data, seq_len, patch)`` has exactly the size ``resize_for_seq(decode_rgb(data), ...)``
+has and fails where that fails; a ``scalable`` JPEG may be decoded DCT-reduced (simplejpeg, strict) first, and
+``mode="full"`` is the full path bit for bit. No decode holds more than ``DECODE_BUDGET`` bytes (from
+``images.peak_bytes``): over it, a reduced decode or ``ValueError``. docs/data.md, "Scaled JPEG decoding".
 """
 import logging
 from typing import Optional, Tuple

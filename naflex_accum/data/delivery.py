@@ -1,12 +1,8 @@
-"""Batches as they reach the main process: torch's DataLoader around a stream, each batch received from its
-worker (``handover``), pinned where asked, and counted.
+"""Batches as they reach the main process: torch's DataLoader around a stream, received, pinned, counted.
 
-Invariants: a loader worker ignores SIGTERM, SIGUSR1 and SIGINT (the main process decides when a run stops:
-finish the step and save, or on Ctrl-C stop; either way it stops the workers) and exempts the heap it
-inherited from the cyclic collector (``freeze_heap``); a wait for the next batch longer than the timeout
-stops the workers (``workers``), or, reading in this process, the read and its ``pipe:`` commands
-(``alarm``); a worker that died is named in one line at the next batch, never dropped; an epoch's unusable
-samples are counted, and logged one by one only up to ``LOG_LIMIT``.
+Invariant: workers ignore SIGTERM, SIGUSR1 and SIGINT (the main process decides when a run stops) and freeze
+their inherited heap; a wait past the timeout stops them (``workers``, ``alarm``); a dead worker is one line at
+the next batch; unusable samples are counted, logged one by one up to ``LOG_LIMIT``.
 """
 import functools
 import gc

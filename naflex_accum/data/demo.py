@@ -1,12 +1,8 @@
 """Synthetic image-caption shards: one shape drawn on a plain background, and a caption saying so.
 
-Invariant: sample i of a split is a pure function of ``(seed, split, i)`` (so the
-output is byte-identical for the same arguments, whatever the shard size or the
-number of processes), and its caption names exactly what is drawn: "a small red
-triangle at the top left on a grey background". Images are 32..512 px a side
-with aspect ratios within 1:4..4:1, mostly JPEG, some PNG. The held-out split
-uses a different seed stream. Each split directory gets open_clip's
-``sizes.json``, so an epoch can be sized without ``--train-num-samples``.
+Invariant: sample i of a split is a pure function of ``(seed, split, i)`` (byte-identical output whatever the
+shard size or processes) and its caption names exactly what is drawn; each split gets open_clip's
+``sizes.json``. docs/data.md, "make-demo-data".
 """
 import io
 import json

@@ -1,24 +1,10 @@
 """Filling a batch's rows: each row takes the sample at its position, or a stand-in where that one cannot serve.
 
-Invariant: a contrastive batch is an optimizer step's window (its
-``--accum-freq`` microbatches, every rank's rows: the loss is the window's).
-A row holds the sample at its global position (``slots.EpochOrder``) unless
-that sample is unusable (``samples.checked`` refuses it, or its decode raises)
-or, with resampling, one of its slot's rows of this window already holds it;
-then the row holds a stand-in: the next usable sample of the same slot's pass
-after the slot's rows of this window (then from the pass's start; with
-resampling, from the rounds after), and where that part has none, another
-part's sample that ``owner`` gives to this slot. A stand-in's id is none that a
-position of the window holds, nor one another stand-in of the window took: the
-slots' parts are disjoint, one worker fills all of a slot's rows of a pass,
-stand-ins from other parts are dealt to slots by id, and in a window that spans
-two passes a stand-in of pass ``q`` has an id of parity ``q`` (so the two passes'
-stand-ins of one slot differ). So no window holds a sample twice.
-What the positions hold is computed, not read, so every worker and rank agrees
-on it; a stand-in depends only on the data, so a resumed epoch takes the same
-ones. Rows whose sample is unusable and rows that took a stand-in are counted
-(the same whatever the world size or workers); every unusable sample met is
-reported (``Corruption``).
+Invariant: no window (an optimizer step's microbatches, every rank's rows) holds a sample twice: a row holds
+its position's sample (``slots.EpochOrder``) unless it is unusable or, resampled, already in the window; then a
+stand-in from the same slot's pass, else another part's by ``owner``, whose ids no position or other stand-in
+of the window holds. Stand-ins depend on the data alone, so ranks, workers and resumes agree; unusable rows
+and stand-ins are counted. docs/data.md, "Corrupt data".
 """
 from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 

@@ -1,29 +1,11 @@
 """Batches from loader workers to the main process: patches in recycled shared memory, the rest in the message.
 
-Invariant: a worker writes a batch's patches into one of its shared-memory slots
-only while no tensor in the main process is over that slot. The worker marks the
-slot busy (a flag in shared memory) before writing; the main process marks it
-free when the last tensor, view or storage over that batch's patches is gone
-(``torch.from_numpy`` keeps its array, and so the array's ``assemble.Lease``, alive
-exactly that long). So a batch the trainer still holds (an accumulation window,
-a batch kept for logging) is never overwritten, however long it is held. A
-slot's memory crosses to the main process once (torch's file-descriptor
-hand-over), with its first batch; later batches in it travel as a few numbers.
-A worker whose slots are all held writes the batch into fresh shared memory, as
-before; so do the workers of a pinned (CUDA) loader, whose pin thread copies each
-batch out at once, off the training thread (a slot would move that copy onto it).
-Either way the main process gets the same keys, values, dtypes and shapes, and
-the small tensors (coordinates, mask, tokens) ride in the pickled message as numpy arrays.
-
-With 0 workers the main process builds its batches in slots of its own the same
-way (``WorkerSlots`` for worker 0, packed and received in one process).
-
-Why: a fresh 6 MB shared-memory batch per step costs its worker ~1,500 page
-faults and an authenticated descriptor hand-over, and the main process as many
-faults again when it reads the patches; a recycled slot costs neither (nor, with
-0 workers, the faults of a new 6 MB allocation per batch). The cost:
-each worker's slots stay mapped while it lives, usually 3-4 batches' worth
-(prefetched batches, the one being built, those the trainer holds).
+Invariant: a worker writes into one of its shared-memory slots only while no tensor in the main process is over
+it (busy flag set by the worker, cleared when the last tensor over the batch goes: ``assemble.Lease``), so a
+batch the trainer holds is never overwritten; a slot crosses once, later batches as a few numbers. With all
+slots held, or a pinned loader, a batch goes in fresh shared memory; the main process gets the same batch
+either way. With 0 workers the same slots serve in one process. Why: docs/data.md, "How batches reach the
+training process".
 """
 import functools
 import operator

@@ -1,29 +1,10 @@
 """Image bytes -> uint8 RGB tensors: torchvision's decoders where they apply, Pillow for the rest.
 
-Invariant: ``decode_rgb(data)`` is a uint8 ``[3, H, W]`` tensor laid out channels-last
-in memory (what the uint8 resize and patchify read fastest), whichever decoder made
-it, converted the same way from every mode: EXIF orientation applied; grey and
-palette expanded; CMYK as Pillow converts it; 16-bit samples scaled to 8 bits by
-their high byte (never clipped); any alpha (RGBA, LA, palette or colour-key
-transparency) composited over white. torchvision decodes JPEG, PNG (but for a
-grey or RGB colour key) and WebP (but for EXIF or animation); Pillow decodes
-everything else it opens (GIF, BMP, TIFF, ...) and whatever torchvision refuses. Float images
-(mode F) and 32-bit integer images above the 16-bit range have no defined 8-bit
-scale and are refused.
-
-``inspect(data)`` is the structural part of decoding (format, size, the pixel
-limit, a JPEG/PNG/WebP stream that ends early): ``decode_rgb`` runs it first, and a
-resumed epoch runs it, alone, on the samples it skips, so both count the same
-samples as undecodable without the skip decoding anything. ``readable(data)`` is
-the read-time check: a known signature, else Pillow identifies the format. For a
-JPEG the header walk also reads the frame (kind, sample precision, components)
-and any EXIF orientation, which make ``ImageInfo.scalable``: whether ``decode``'s
-DCT-scaled path would convert it exactly as ``decode_rgb`` does. From the header's
-size, sample depth and alpha, ``peak_bytes(info)`` bounds the memory ``decode_rgb``
-holds at once (its decoder's output, the one copy made of it, the result), before
-anything is decoded: no whole-image intermediate is wider than a byte a sample
-(16-bit samples are read through a view of their high bytes, alpha is composited
-a strip at a time, in place).
+Invariant: ``decode_rgb(data)`` is a uint8 ``[3, H, W]`` tensor, channels-last in memory, converted the same
+way whichever decoder made it (EXIF orientation, alpha over white, 16-bit by the high byte; mode F and
+out-of-range 32-bit refused). ``inspect`` reads the header alone (format, size, pixel limit, a stream cut short,
+``ImageInfo.scalable``), so a resume's skip counts the same samples undecodable; ``peak_bytes`` bounds a
+decode's memory from it. docs/data.md, "Decoding and image modes" and "Decode memory".
 """
 import io
 import sys

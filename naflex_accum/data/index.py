@@ -1,15 +1,9 @@
 """How many samples each training shard holds: the numbers every slot's share of an epoch is cut from.
 
-Invariant: ``shard_sizes`` returns one count per shard URL, the same in every
-process of a run, without reading a sample twice per machine: from open_clip's
-``sizes.json`` beside the shards where it lists every shard of a folder, else
-from a count of each shard's samples (its key groups, ``samples.count_samples``)
-kept in a cache file (``cache_dir()``) and reused while the file's size and
-modification time are unchanged (``pipe:`` and remote URLs: while the URL is).
-A count reads every tar header of a local shard (seeking past the data) and the
-whole stream of a ``pipe:`` (``pipes``) or remote one. A cache that cannot be
-written costs a count at each start, with one warning, never the run; a shard the
-OS cannot read raises ``samples.ShardReadError`` (exit 74), never a short count.
+Invariant: ``shard_sizes`` gives one count per URL, the same in every process, from open_clip's ``sizes.json``
+where it lists a folder's every shard, else from a header count cached in ``cache_dir()`` while the file (or
+URL) is unchanged. A cache that cannot be written costs a count, never the run; an unreadable shard raises
+``samples.ShardReadError``. docs/data.md, "What an epoch is".
 """
 import hashlib
 import json

@@ -1,13 +1,8 @@
 """Labelled images for zero-shot evaluation: webdataset shards or an ImageNet-style folder -> NaFlex batches.
 
-Invariant: a pass yields every labelled image of its source once, split between
-the loader's workers (worker ``w`` of ``W`` takes items ``w, w + W, ...``), as
-uint8 NaFlex batches made exactly as the training ones (``decode.decode_for_seq``,
-``patches.patchify_images``), with the labels; a sample whose image or label cannot
-be read is skipped and counted in ``Problems``, which each worker yields last.
-A shard sample's label is its ``.cls`` class index, or with a ``json_label``
-template a class name formatted from its ``.json`` fields; an ImageNet folder
-has class subfolders in sorted order, or (ImageNetV2) named by class index.
+Invariant: a pass yields every labelled image once, worker ``w`` of ``W`` taking items ``w, w + W, ...``,
+batched exactly as training batches are; an unreadable image or label is skipped and counted in ``Problems``.
+Labels: docs/training.md, "Zero-shot classification".
 """
 import json
 import os

@@ -1,17 +1,9 @@
 """The main-process side: ``make_train_loader`` / ``make_val_loader`` and the loaders they return.
 
-Invariant: a train loader yields exactly ``num_batches - start_batch`` batches
-per epoch (segment, ``order``), in schedule order (batch i is the schedule's spec
-i), the same count on every rank; each batch is ``{"image": {...}, "text": ...}``
-and nothing else, put together from its workers' parts row for row (``assemble``),
-so it is the same whatever ``--workers``; its meta names each row's sample key. ``stats`` counts what this
-process received this epoch, including corrupt samples reported by workers,
-which are also logged (the first ``LOG_LIMIT`` distinct ones of an epoch
-individually, then a summary). The worker processes of a train loader live across
-epochs; with ``pin_memory`` (for CUDA) batches arrive in pinned memory. A worker
-that dies, raises or sends nothing for ``DataConfig.timeout`` seconds raises
-torch's error in the main process, which ``workers.failure`` names in one line;
-reading in this process, a wait that long raises ``alarm.LoaderTimeout``.
+Invariant: a train loader yields exactly ``num_batches - start_batch`` batches an epoch, in schedule order,
+the same count on every rank, each ``{"image", "text"}`` put together row for row (``assemble``), so the same
+whatever ``--workers``; ``stats`` counts what arrived, corrupt samples included. A worker that dies, raises or
+stalls past ``DataConfig.timeout`` is one line (``workers.failure``, ``alarm.LoaderTimeout``). docs/data.md.
 """
 import logging
 from typing import Callable, Dict, Iterator, List, Optional, Tuple

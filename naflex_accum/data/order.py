@@ -1,17 +1,9 @@
 """Where an epoch's batches fall in its global sample order, and which rank and worker reads which part.
 
-Invariant: an epoch's samples form one global sequence of positions that depends
-only on the data set, the seed, the epoch and the number of data slots ``C``
-(``--data-slots``), never on the world size or the number of loader workers (what
-each position holds is ``slots``'s). Every run of an epoch consumes a prefix of
-that sequence with no gap and no repeat: global batch ``j`` of a segment that
-starts at position ``base`` takes the next ``W * b_j`` positions, and rank ``r`` of
-``W`` takes those congruent to ``base + r`` modulo ``W``, in order. A slot's
-positions in one pass all fall to one rank (``W`` divides ``C``), read by one of
-its loader workers (``slot_worker``). An epoch is run in segments: the first at
-the epoch's start; a resume at another world size starts a new one where the
-saved one stopped (``base`` = the global samples already consumed), with a batch
-schedule of its own for the samples (or tokens) the epoch still has to cover.
+Invariant: an epoch's positions depend only on the data set, the seed, the epoch and ``--data-slots``; every
+run of an epoch consumes a prefix with no gap or repeat (global batch ``j`` takes the next ``W * b_j``, rank
+``r`` those congruent to ``base + r`` mod ``W``), a slot's positions in a pass fall to one rank and one of its
+workers (``slot_worker``). A resume at another world size is a new ``Segment``. docs/data.md, "What an epoch is".
 """
 import math
 from dataclasses import asdict, dataclass

@@ -1,18 +1,9 @@
-"""Turning images into NaFlex batches: resize to a sequence length, patchify, pad.
+"""Turning images into NaFlex batches: resize to a sequence length, patchify, pad (timm's NaFlex transforms).
 
-Invariant: a batch is ``{"patches": float [B, L, P*P*C] (channels-last per
-patch), "patch_coord": int64 [B, L, 2] (y, x), "patch_valid": bool [B, L]}``
-with every image's real patches first and zero padding (``patch_valid`` False)
-after, so the model's masking makes padding exactly inert. Uses timm's NaFlex
-transforms for the resize and patch layout. With several patch sizes a batch's
-patches may stay unflattened, ``[B, L, P, P, C]`` (timm NaFlexVit's
-variable-patch-size input). The data pipeline's path (``resize_for_seq`` on
-decoded uint8 images, ``patchify_into`` / ``patchify_images``) keeps pixels
-uint8 up to the training device, where ``normalize_patches`` makes the model's
-float batch (bit for bit what one CPU pass makes: ``collate_images``); padding
-is zero before and after.
-``pil_to_patches`` is the same with Pillow's decode and resize (the quality
-reference the pipeline is tested against).
+Invariant: a batch is ``{"patches": [B, L, P*P*C] (or [B, L, P, P, C] with several patch sizes), "patch_coord":
+int64 [B, L, 2], "patch_valid": bool [B, L]}``, real patches first and zero padding after, so padding is inert.
+The pipeline keeps pixels uint8 up to the device, where ``normalize_patches`` makes bit for bit the float batch
+one CPU pass makes; ``pil_to_patches`` is the Pillow quality reference.
 """
 import functools
 import math

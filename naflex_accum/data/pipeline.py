@@ -1,21 +1,9 @@
-"""The worker side: samples -> parts of NaFlex batches, each row the sample at its global position (``slots``).
+"""The worker side: one rank's batches of an epoch segment, each worker building its part of every batch.
 
-Invariant: every worker of a rank yields exactly one part of every batch of the
-segment from ``start_batch`` on, in order (so torch's DataLoader round-robin
-delivers a batch's parts one after another): the rows of the batch whose global
-positions fall in the slots it reads, each the sample the epoch's order puts
-there (``slots.EpochOrder``: a pure function of the data set, the seed, the epoch
-and the slots, never of the batch sizes, the world size or the workers), or a
-stand-in where that sample cannot serve (``fill``). A resumed epoch computes
-where its first batch's samples are and reads from there: the batches before
-``start_batch`` cost no decode, tokenize or collate, and their shards' samples
-only a header each. Every yield is ``(part, meta)``: the part has exactly the
-keys the model takes (None for a worker with no rows in that batch), and
-``meta`` carries the batch index, the part's rows, keys and counts (samples,
-image tokens, corrupt samples and their messages, stand-ins) back to the main
-process. A ``UsageError`` in a worker is sent back as ``(None, {"error":
-message})`` so the main process can raise it as one clean line. How a worker's
-parts reach the main process (recycled shared memory) is ``handover``'s.
+Invariant: every worker yields exactly one ``(part, meta)`` per batch from ``start_batch`` on, in order: the
+rows whose positions fall in its slots, each the sample ``slots.EpochOrder`` puts there or a stand-in
+(``fill``), so batches never depend on the workers; batches before ``start_batch`` cost a header read each. A
+``UsageError`` comes back as ``(None, {"error": message})``. docs/data.md, "How batches reach the training process".
 """
 import math
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple

@@ -1,22 +1,9 @@
 """Opening shards: ``pipe:`` commands run here, never outliving their reader; every other URL by webdataset's gopen.
 
-Invariant: a ``pipe:`` command runs under ``/bin/sh -c`` (as gopen runs it) in a
-session and process group of its own, with the default dispositions of SIGTERM,
-SIGUSR1 and SIGINT (loader workers ignore all three, and an exec'd program
-would keep that) and nothing blocked. Its group's leader is a shell (bash, which
-can give a background command SIGINT back; else sh, whose background commands
-ignore SIGINT and SIGQUIT) that runs it in the background and waits; on Linux the
-leader's parent-death signal is SIGTERM, on which it kills its whole group, so the
-command (a pipeline, a compound command and whatever it started included) goes
-when the process that reads it dies, however that dies (SIGKILL, the OOM killer).
-``PipeStream.close`` kills the command's whole group (a pipeline's other members,
-anything it started) before reaping it, so no pid is signalled after it could be
-reused; a command whose output was read to the end first gets ``EXIT_GRACE``
-seconds to exit, and a non-zero status then raises ``PipeFailed`` (bad data, not
-a storage failure; ``failure`` says the same of output that broke off); one
-closed early is no error. ``kill_all`` kills the groups
-of every command this process has open (the in-process loader's timeout, from a
-signal handler: it only signals).
+Invariant: a ``pipe:`` command runs under ``/bin/sh -c`` in a process group of its own, led by a shell whose
+parent-death signal kills the group, so it goes when its reader dies, however that dies; ``close`` kills the
+group before reaping (no pid signalled after reuse), and a non-zero status after output read whole raises
+``PipeFailed``. ``kill_all`` only signals (safe in a signal handler). docs/data.md, "``pipe:`` shards".
 """
 import ctypes
 import functools

@@ -1,16 +1,9 @@
 """Reading one slot's pass in its shuffled order: samples fetched by emission index, from shards read once.
 
-Invariant: ``PassReader.get(j)`` returns the sample at emission ``j`` of its pass
-(``slots.PassOrder``) as read from the shards: ``(key, url, files)``, or
-``(None, url, reason)`` where the shard holds no such sample (shorter than its
-listed size, or damaged before it). Requests in increasing order read each of
-the pass's pieces once, from the first one asked for on (the samples before it
-are passed over by their headers); what is read ahead of its emission is held,
-a window at a time (``slots.window_order``), and dropped once its window is
-behind; a request behind the reading point (a stand-in, a swapped emission on a
-resume) reads that one sample again. ``close`` ends the shard reads (a ``pipe:``
-command's stream included). A shard the OS cannot read is no missing sample:
-its ``samples.ShardReadError`` propagates.
+Invariant: ``PassReader.get(j)`` is the sample at emission ``j`` of its pass (``slots.PassOrder``), or
+``(None, url, reason)`` where the shard lacks it; requests in increasing order read each piece once, holding
+what is read ahead a window at a time; a request behind the reading point re-reads that one sample.
+``samples.ShardReadError`` propagates.
 """
 from typing import Dict, Iterator, Optional, Tuple
 

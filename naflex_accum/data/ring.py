@@ -1,20 +1,9 @@
 """One shared buffer per batch that all loader workers of a rank write their rows into: no assembly copy.
 
-Invariant: a worker writes a batch's patch rows into ring buffer ``b`` only if the
-main process assigned ``b`` to exactly that batch of exactly this iteration
-(``lookup``: the table entry holds the iteration's generation, the batch index
-and ``b`` in one 64-bit word, written and read whole). The main process assigns a
-buffer only while no tensor over it lives and no worker can still be writing into
-it: a buffer is free again when the last tensor over its batch is gone (a
-``assemble.Lease``, as ``handover``'s slots), and the buffers of an iteration's batches
-that were assigned but never received are held back (``begin``) until every
-worker has sent a part of the next iteration: a worker builds its parts in order,
-so by then it has left the old ones. A batch whose entry a worker finds missing
-(no buffer was free, or the worker ran ahead of the assignments) takes the old
-way, its rows in the worker's own slot, and the main process copies them into the
-batch's buffer, or into pooled memory where it has none: the rows, and so the
-batch, are the same bit for bit either way. Made in the main process before the
-workers start, so that forked or spawned workers share the memory.
+Invariant: a worker writes into ring buffer ``b`` only if the main process assigned ``b`` to exactly that batch
+of this iteration (``lookup``, one 64-bit word); a buffer is assigned only while no tensor is over it and no
+worker can still write into it (``begin`` holds back an old iteration's). A batch without a buffer takes the
+worker's slot and is copied: the batch is bit for bit the same. Made before the workers start.
 """
 import functools
 from typing import Dict, List, Optional, Set

@@ -1,17 +1,9 @@
 """Reading shards into samples: tar members grouped by key, numbered, checked.
 
-Invariant: a shard's samples are its runs of members with one key (webdataset's
-grouping), numbered 0, 1, ... in tar order whatever they hold, so a sample's
-number is a fact of the file that ``count_samples`` (headers only) and
-``shard_groups`` (which reads from any number on, passing the earlier ones over
-by their headers) agree on. ``checked`` accepts only samples with image bytes of
-a recognisable format (a JPEG/PNG/WebP signature, or a file Pillow identifies)
-and a non-empty UTF-8 caption; everything else is recorded in a ``Corruption``
-report (an exact count and the first messages), never raised. No image header
-is parsed here: the decode stage (``images.inspect``) reads headers. A shard the
-OS cannot read (an error with an errno: the storage failed or went away) is no
-sample's fault: ``tar_members`` raises ``ShardReadError`` for it, which every
-reader here lets through, so the run stops (exit 74) instead of counting it.
+Invariant: a shard's samples are its runs of members with one key, numbered in tar order, so
+``count_samples`` (headers only) and ``shard_groups`` agree on every number; ``checked`` keeps a sample with a
+recognisable image and a non-empty UTF-8 caption and reports every other in ``Corruption``, never raising.
+An OS error reading a shard raises ``ShardReadError`` (exit 74), never a short count. docs/data.md, "Corrupt data".
 """
 import errno
 import re

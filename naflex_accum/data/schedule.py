@@ -1,14 +1,8 @@
 """The batch schedule: which (sequence length, batch size, patch size) each batch of an epoch has.
 
-Invariant: the schedule is a pure function of the config and ``(seed, epoch)``; it
-never looks at the rank, the worker or the data, so every rank and every worker
-computes the same list, and every rank runs the same number of batches. Batch
-sizes are ``max_tokens // seq_len`` rounded down to a multiple of the divisor, so
-``batch_size * seq_len <= max_tokens`` always. Sequence lengths (and patch sizes)
-are stratified rather than drawn independently: each epoch has the same count
-of every sequence length, shuffled, so the samples and tokens of an epoch are
-the same in every epoch. Nothing heavy at import (timm, for its batch-size
-rule, on first use).
+Invariant: a pure function of the config and ``(seed, epoch)``, so every rank and worker computes the same list;
+``batch_size * seq_len <= max_tokens`` always, and sequence lengths are stratified (every epoch the same count
+of each, shuffled). docs/data.md, "The schedule".
 """
 import hashlib
 import math

@@ -1,23 +1,10 @@
 """Which samples each data slot reads in an epoch, and in which order: the epoch's global sample order.
 
-Invariant: the sample at every position of an epoch is a pure function of the
-shard list and sizes, the seed, the epoch, the number of slots ``C`` and the
-shuffle window, never of the world size, the workers or what was read before.
-Without resampling, the epoch cuts the data set (its shards in a seeded order,
-split inside shards where a cut falls there) into ``C`` parts, part ``s`` the
-size of the positions ``o`` < ``N`` with ``o % C == s``; pass ``q`` of the epoch
-is positions ``[qN, (q+1)N)``, position ``qN + o`` is emission ``o // C`` of slot
-``o % C``'s pass ``q``, and each pass of a slot reads its part once: its pieces
-in a seeded order from a seeded point, samples shuffled within windows of
-``window`` consecutive reads. So every pass holds each sample exactly once, and an epoch of at most
-``N`` positions at most once. Where passes meet, pass ``q``'s first ``tail``
-emissions of a slot hold none of the samples of its pass ``q - 1``'s last
-``tail`` (a swap with the nearest later emission), so no batch of at most
-``tail`` samples per slot holds a sample twice. With resampling, the parts cut
-each source alike, and a slot's stream is endless rounds of its pieces drawn
-with replacement (weight: the source's factor times the piece's size); position
-``g`` is emission ``g // C`` of slot ``g % C``. Either way a slot's samples are
-its part's alone, so two slots never hold one sample.
+Invariant: the sample at every position is a pure function of the shards and sizes, the seed, the epoch, the
+slots ``C`` and the shuffle window, never of the world size, workers or reads. Unresampled, the data set is cut
+into ``C`` parts and each pass of a slot reads its part once, shuffled within windows, so a pass holds each
+sample once and passes meet without a repeat within ``tail``; resampled, a slot draws its pieces with
+replacement. Two slots never share a sample. docs/data.md, "What an epoch is".
 """
 import bisect
 from functools import lru_cache

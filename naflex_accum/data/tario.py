@@ -1,14 +1,9 @@
 """Reading tar streams member by member: ``(file name, bytes)`` of each regular file, in archive order.
 
-Invariant: yields exactly the regular files Python's ``tarfile`` (stream mode, as
-webdataset reads shards) yields, with the same names (ustar prefixes, GNU long
-names and pax ``path``/``size`` records applied), skipping webdataset's ``__*__``
-metadata members (and GNU sparse files, which tarfile would reassemble and
-shards never hold); a damaged archive (bad header checksum, data cut short, an
-empty file) raises ``tarfile.ReadError`` after the members before the damage.
-Plain tars are parsed here, a 512-byte header at a time (a few microseconds a
-member instead of ``tarfile``'s tens); compressed ones (gzip, bzip2, xz) go
-through ``tarfile`` itself.
+Invariant: yields exactly the regular files (and names) Python's ``tarfile`` stream mode yields, less
+webdataset's ``__*__`` metadata; a damaged archive raises ``tarfile.ReadError`` after the members before the
+damage. Plain tars are parsed here, a header at a time (microseconds a member, not tarfile's tens);
+compressed ones go through ``tarfile`` itself.
 """
 import os
 import re

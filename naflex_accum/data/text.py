@@ -1,13 +1,8 @@
 """Captions -> token ids, a batch at a time.
 
-Invariant: ``BatchTokenizer(tokenizer)(captions)`` is exactly ``tokenizer(captions)``
-as an int64 tensor: same ids, same truncation, same shape. For open_clip's
-``SimpleTokenizer`` with its default cleaning (lower-case, no reduction) it takes
-a shorter road to the same ids: a caption of printable ASCII without ``&`` is
-left as it is by ftfy and ``html.unescape``, so it is cleaned by collapsing
-white space and lower-casing alone; each word's ids are cached (the BPE of a
-word never changes); and the batch tensor is built in one call. Any other
-caption, or any other tokenizer, goes through the tokenizer itself.
+Invariant: ``BatchTokenizer(tokenizer)(captions)`` is exactly ``tokenizer(captions)`` as int64; for open_clip's
+``SimpleTokenizer`` with default cleaning, a printable-ASCII caption without ``&`` (which ftfy and
+``html.unescape`` leave alone) takes a cached per-word road to the same ids.
 """
 from typing import Callable, Dict, List, Sequence, Tuple
 

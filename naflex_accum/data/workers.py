@@ -1,26 +1,9 @@
 """Loader worker processes: registered when started, named when they fail, and never outliving the run.
 
-Invariant: every multi-process DataLoader this process builds starts its
-workers through a ``context()`` that records each process as torch makes it
-(``DataLoader(multiprocessing_context=)``; ``of(loader)`` gives its current
-iterator's), and each of its iterators is registered here with them. torch's
-SIGCHLD handler raises a dead worker's error at
-once while the main thread waits for a batch (so a blocked trainer fails at
-once); anywhere else the error waits for the loader's next batch, or for the
-end of a ``held()`` block (a checkpoint write), because an exception raised
-at an arbitrary point can be swallowed there (``logging`` prints and drops an
-error raised inside a record's formatting) or leave a half-written file that
-fails with an error of its own. While the main thread waits for a batch, a
-watchdog thread kills the workers once the wait passes ``timeout`` seconds (a
-frozen worker would otherwise hold it for ever, in torch's queue or in the
-descriptor hand-over of its shared memory). ``failure(exc)`` turns torch's
-report of a worker that died (killed by a signal, the OOM killer's SIGKILL
-included, or exited; ``lost`` names one whose death made a read of its batch fail
-first), raised, or was stopped by the watchdog into one line, and
-``stop_all()`` leaves no worker alive: workers ignore SIGTERM (a scheduler
-signals the whole job, and only the main process may decide to stop), so
-multiprocessing's own exit (SIGTERM, then wait) would otherwise wait forever on
-a worker that survived a failure.
+Invariant: every worker is recorded as torch makes it (``context()``); a dead worker's error is raised at once
+while the main thread waits for a batch, else at the next batch or the end of a ``held()`` block (a checkpoint
+write); a watchdog kills workers stalled past ``timeout``; ``failure(exc)`` names any of these in one line, and
+``stop_all()`` leaves no worker alive (they ignore SIGTERM). docs/long-runs.md, "Loader failures".
 """
 import atexit
 import contextlib

@@ -1,20 +1,8 @@
 """Reference bugs: small overrides of the step's hooks, in both modes, so checks can be seen to fail.
 
-Invariant: each bug changes exactly one decision of a correct step (one hook),
-the same way in the replay and the cached-loss mode, so a check that catches
-it in one mode catches the same mistake in the other.
-
-- ``per-replay-scale``: open_clip #1211, microbatch j's gradient scaled by its own size.
-- ``logit-k-times``: the logit values attached in every microbatch's backward,
-  so the logit parameters' gradient is counted k times.
-- ``no-rng-replay``: replays draw fresh random masks instead of the cached ones.
-- ``always-sync``: gradient sync left on in every backward (a missing ``no_sync``):
-  the gradients are still right, only the all-reduce count shows it.
-- ``upstream-style``: the first three together, as upstream open_clip main behaves.
-
-``bug_step(bug, mode)`` gives a step; ``per_replay_scale_step``, ``logit_k_times_step``,
-``no_rng_replay_step``, ``always_sync_step`` and ``upstream_style_step`` are the replay-mode ones
-(upstream's mode), ``*_cached_step`` the cached-loss ones.
+Invariant: each bug changes exactly one decision of a correct step (one hook), the same way in both modes
+(``per-replay-scale``, ``logit-k-times``, ``no-rng-replay``, ``always-sync``; ``upstream-style`` the first three).
+``bug_step(bug, mode)`` gives a step. docs/equivalence.md, "The bugs, shown red".
 """
 from contextlib import nullcontext
 

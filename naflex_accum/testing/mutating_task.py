@@ -1,18 +1,8 @@
 """A task whose ``compute_accum_loss`` reads, adds, replaces and drops entries of the dicts it is given.
 
-Invariant: ``task(batch)`` on a full batch and ``compute_accum_loss`` on a
-window's concatenated outputs compute one objective, so an exact step gives
-the full-batch gradient. Its model adds outputs of other shapes to a CLIP
-model's: ``pair_features`` with two rows per sample (so its per-microbatch
-length is twice the microbatch size) and integer ``text_lengths``. Its
-``compute_accum_loss`` replaces ``pair_features`` by a slice, adds a float and
-an integer entry, pops ``text_lengths`` and ``logit_bias``, and replaces
-``logit_scale`` by a clamped copy: a step that differentiates the dicts it
-passed, or slices gradients by microbatch size, fails on it.
-
-Works with any open_clip CLIP-like model returning a dict (the released one
-or upstream main's): ``MutatingTask(model)``, or ``make_mutating_task`` as an
-``audit_case`` ``make_task``.
+Invariant: ``task(batch)`` and ``compute_accum_loss`` compute one objective, with outputs of other shapes
+(``pair_features``: two rows a sample; integer ``text_lengths``), so a step that differentiates the dicts it
+passed, or slices gradients by microbatch size, fails on it. ``make_mutating_task`` is an ``audit_case`` factory.
 """
 from typing import Dict, Optional
 

@@ -2,12 +2,8 @@
 
     python -m pytest -p naflex_accum.testing.pytest_plugin TESTS...
 
-Invariant: ``naflex_accum.install()`` is in effect from ``pytest_configure``,
-before any test module is imported (so a test that imports upstream's step by
-name gets ours), to the end of the session, and is taken out then. The
-terminal summary says how often the fixed step was called and how many
-optimizer steps it made, so a session that never reached it cannot pass for
-a patched one. Mode: ``$NAFLEX_ACCUM_MODE``, as for the runner.
+Invariant: ``install()`` is in effect from ``pytest_configure`` to the session's end, and the summary counts the
+fixed step's calls, so a session that never reached it cannot pass for a patched one. docs/upstream.md.
 """
 
 

@@ -1,14 +1,8 @@
 """Audit of split invariance: accumulated gradients against one full-batch backward.
 
-Invariant checked: for a window of examples split into microbatches, the raw
-gradient of every parameter right before the optimizer step equals
-``window_scale * grad(full-batch loss)``; ``logit_scale``/``logit_bias`` included,
-whose ratio must be 1.0 (upstream counts them k times). With stochastic layers
-the reference runs each microbatch's forward under the same seed as the step
-did, so both see the same masks, then takes one loss and one backward.
-
-Used by the tests, by ``naflex-accum table`` (the table in docs/equivalence.md) and by
-``naflex-accum verify``.
+Invariant checked: each parameter's raw gradient before the optimizer step equals ``window_scale *
+grad(full-batch loss)``, the logit parameters' ratio 1.0; stochastic layers run under the step's seeds. Used by
+the tests, ``naflex-accum table`` and ``verify``. docs/equivalence.md, "How it is measured".
 """
 import math
 from contextlib import contextmanager, nullcontext

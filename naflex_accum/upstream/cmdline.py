@@ -1,12 +1,7 @@
 """The runner's command line: upstream's own parser under the runner's name, its refusals in one line.
 
-Invariant: the runner's flags are upstream's, parsed by upstream's own
-``parse_args`` (so every flag means what upstream says), under the runner's
-name (``python -m naflex_accum.openclip``, ``naflex-accum openclip``) in its
-usage line; ``--help`` prints upstream's help followed by the runner's own
-environment variables. An argument upstream's parser rejects (argparse's
-error, or a ``ValueError`` of upstream's checks after parsing) becomes one
-``UsageError`` line instead of argparse's usage dump or a traceback.
+Invariant: the runner's flags are upstream's, parsed by upstream's ``parse_args`` under the runner's name;
+``--help`` adds the runner's environment variables; a rejected argument is one ``UsageError`` line.
 """
 import contextlib
 import io

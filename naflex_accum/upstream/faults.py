@@ -1,17 +1,8 @@
 """Which of upstream's three accumulation faults a step has, read off its audit rows.
 
-Invariant: a fault is reported present only where a row that can show it
-fails in the way that fault fails, and absent only where such a row passes
-in that respect; where no row can tell (a dense window has no loss scale to
-get wrong) it is ``None``. The faults (README, "What breaks upstream"):
-
-- ``window-scale``: replays scaled by their own size, not the window's: a
-  NaFlex row in ``linear``/``sqrt`` without stochastic layers has a tower
-  error above tolerance;
-- ``logit-once``: the ``logit_scale``/``logit_bias`` gradient counted per
-  replay: a ``none`` row without stochastic layers has a logit ratio off 1;
-- ``stochastic-replay``: replays draw fresh masks: a ``none`` row with
-  stochastic layers has a tower error above tolerance.
+Invariant: a fault is present only where a row that can show it fails that way, absent where such a row passes,
+``None`` where no row tells: ``window-scale`` (a NaFlex ``linear``/``sqrt`` row), ``logit-once`` (a ``none`` row's
+logit ratio), ``stochastic-replay`` (a ``none`` row with stochastic layers). docs/upstream.md.
 """
 from typing import Dict, List, Optional
 

@@ -1,11 +1,7 @@
 """Fingerprints of the upstream code the patch replaces and relies on, and the ones CI has verified.
 
-Invariant: a fingerprint is a hash of the source text of upstream's own
-``_train_step_eager`` and of the task class's ``compute_accum_loss`` (as
-Python resolves it on that class), so any edit to either gives another one.
-``VERIFIED`` maps the fingerprints of the pinned upstream snapshots that CI
-audits to what they are; ``tests/integration/test_upstream_verify.py`` recomputes them
-from the snapshots, so the table says no more than CI ran.
+Invariant: a fingerprint hashes the source of upstream's ``_train_step_eager`` and the task's
+``compute_accum_loss``; ``VERIFIED`` lists the pinned snapshots' (recomputed by tests/integration/test_upstream_verify.py).
 """
 import hashlib
 import inspect

@@ -1,22 +1,9 @@
 """The tower locks (``--lock-image``, ``--lock-text``) that upstream's ``main`` would crash on, from ``--model``'s config.
 
-Invariant: ``refusal(args)`` names a lock setting only where upstream's ``main``
-(89fb801 and 5964c41 alike) crashes on it, after creating its run folder, for
-the model class its factory builds from ``--model``'s config (upstream's own
-``get_model_config``; its rule: ``genlip_cfg``, ``genlap_cfg``, ``audio_cfg``,
-then a custom text tower, with ``multimodal_cfg``, is CoCa):
-
-- ``--lock-image`` or ``--lock-text`` on a class without that lock (CoCa,
-  CLAP's image side, GenLIP, GenLAP: ``ValueError`` or ``AttributeError``);
-- ``--lock-text`` without ``--lock-text-freeze-layer-norm`` on open_clip's own
-  text towers (``CLIP.lock_text_tower``, ``TextTransformer.lock``,
-  ``ModernTextTransformer.lock`` assert it; a Hugging Face tower does not);
-- ``--lock-image-unlocked-groups`` other than 0 on a ModifiedResNet image tower
-  whose ``lock`` asserts 0 (5964c41; asked of upstream's class itself).
-
-A model whose config needs the network (``hf-hub:``) or cannot be read is not
-checked: upstream's ``main`` says what is wrong, and a start that fails that way
-leaves nothing behind (``startup``).
+Invariant: ``refusal(args)`` names a lock setting only where upstream's ``main`` crashes on it, after creating
+its run folder, for the model class its factory builds from ``--model``'s config (read with upstream's own
+``get_model_config``); a config that needs the network or cannot be read is left to upstream.
+docs/upstream.md, "What the runner refuses before upstream starts".
 """
 from typing import Optional
 

@@ -1,19 +1,10 @@
 """Install the fixed accumulation step into upstream open_clip main, and take it out again.
 
-Invariant: ``open_clip_train.train._train_step_eager`` is replaced only after
-the installed open_clip is checked against a contract generation the fix knows
-(the attribute exists and takes exactly ``(task, batch, accum_state,
-optimizer, scaler, autocast, args)``, and ``probe.probe`` finds one generation
-in every part the step relies on), or when the caller forces it; the installed
-step speaks the generation found (forced: whatever each task result's form
-says); the replacement carries the original as ``__wrapped__``;
-``uninstall()`` puts the original back only while the attribute is still
-ours, so it never undoes someone else's patch. Installing over ours is a
-no-op for the same mode (and contract, if given) and a ``StepError`` for
-another, never a silent keep. Importing this module patches nothing.
-
-Replacing the module attribute is enough: upstream's ``train_one_epoch`` looks
-``_train_step_eager`` up in its module globals at every call.
+Invariant: ``open_clip_train.train._train_step_eager`` is replaced only after the installed open_clip passes
+``probe`` (or the caller forces it), by a step speaking the generation found that carries the original as
+``__wrapped__``; ``uninstall()`` restores it only while the attribute is still ours; installing over ours is a
+no-op for the same mode and a ``StepError`` for another. Replacing the module attribute is enough: upstream's
+``train_one_epoch`` looks it up at every call. docs/upstream.md, "The patching API".
 """
 import contextlib
 import importlib

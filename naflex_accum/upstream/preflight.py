@@ -1,16 +1,9 @@
 """What the runner refuses before upstream's ``main`` starts, and whether a run calls the fixed step at all.
 
-Invariant: ``refusal(args)`` reads only upstream's own parsed arguments (its
-``parse_args``), the launcher's variables and the files the arguments name
-(shards, ``--model``'s config), so it runs before upstream's ``main`` creates a
-run folder or a process group; it names, in one line, the first setting that
-upstream's ``main`` (89fb801 and 5964c41 alike) would crash on after creating
-its run folder, or would train wrongly without a word, with the flag and what
-would be valid (the tower locks: ``locks``). An attribute upstream's arguments
-lack is not checked. ``step_use(args)`` is upstream's own rule for calling
-``_train_step_eager`` (``train_one_epoch``: ``--accum-freq`` > 1 or a
-GradScaler, which ``main`` creates for ``--precision amp``, and under FSDP for
-the fp16 precisions), with the reason in words.
+Invariant: ``refusal(args)`` reads only upstream's parsed arguments, the launcher's variables and the files they
+name, so it runs before any run folder or process group; it names in one line the first setting upstream's
+``main`` would crash on or silently mistrain. ``step_use(args)`` is ``train_one_epoch``'s own rule for calling
+the step. docs/upstream.md, "What the runner refuses before upstream starts".
 """
 import math
 import os

@@ -1,14 +1,8 @@
 """What step contract the installed upstream open_clip has, found out before the first window.
 
-Invariant: ``probe()`` names a known generation (``contract.GENERATIONS``) only
-when every part the fixed step relies on shows that one generation on this
-install: what ``train_one_epoch`` unpacks from the step (read from its source),
-what upstream's own step returns for a full window, what one of upstream's
-tasks returns from ``task(batch)`` and ``compute_accum_loss``, and that its model
-returns a dict with ``logit_scale`` and batch-major tensors. Otherwise
-``Probe.problem`` says in one line which part differs. The tiny task runs on
-the CPU under a forked random state, so a seeded caller draws afterwards what
-it would have drawn without the probe.
+Invariant: ``probe()`` names a generation (``contract.GENERATIONS``) only when every part the step relies on
+shows that one (the loop's unpacking, upstream's step, a task's results, the model's outputs); otherwise
+``Probe.problem`` names the part in one line. It runs on the CPU under a forked random state.
 """
 import ast
 import contextlib

@@ -1,28 +1,12 @@
 """Run upstream open_clip main's trainer with the fixed accumulation step installed.
 
-    python -m naflex_accum.openclip ARGS...
-    torchrun --nproc-per-node 8 -m naflex_accum.openclip ARGS...
-    naflex-accum openclip ARGS...
+    python -m naflex_accum.openclip ARGS...      (torchrun -m ..., naflex-accum openclip ...)
 
-Invariant: ARGS reach ``open_clip_train.main.main`` unchanged, and only once
-the patch is in place in this process (every torchrun rank installs its own);
-an open_clip that lacks the step being replaced (3.3.0 from PyPI has no NaFlex
-training), or whose contract fits no generation the fix knows, stops here with
-exit 2 and one line, before any work starts. So does a run that upstream's
-``main`` would crash on or silently mistrain (``preflight``, on upstream's own
-parsed ARGS, ``cmdline``): nothing is created, nothing is recorded. Right
-after upstream sets up its process group, before the run folder exists, every
-rank audits the step on this run's task (``selfcheck``; ``NAFLEX_ACCUM_VERIFY=0``
-skips it) and all stop, exit 2, if any failed; a run whose loop never calls the
-step (``preflight.step_use``) is not audited and records why. The run folder
-says that the fix ran, in which mode, on which upstream (version, contract,
-fingerprint) and with which verdict: ``params.txt`` holds ``naflex_accum*``
-entries and ``out.log`` lines from ``naflex_accum.openclip``, whatever level
-logging is set to; each line reaches stderr once. A step that refuses its input
-(``scales.StepError``) ends the run with its one line, exit 2. A start that
-fails before its first step says upstream's error in one line, exit 1, and
-takes back only what it provably made in its run folder (``startup``); a later
-failure is upstream's own.
+Invariant: ARGS reach ``open_clip_train.main.main`` unchanged, once the patch is in place in this process; an
+upstream the fix cannot patch, or ARGS it would crash on or mistrain (``preflight``), stop here with exit 2 and
+one line, nothing created. Every rank audits the step before the run folder exists (``selfcheck``); the run
+folder records the fix, mode, upstream and verdict; a start that fails before its first step is one line, exit
+1, taking back only what it made (``startup``). docs/upstream.md, "The runner".
 """
 import contextlib
 import importlib

@@ -1,16 +1,9 @@
 """The runner's check before upstream trains: the installed step audited on this run's own task.
 
-Invariant: with ``NAFLEX_ACCUM_VERIFY`` unset or 1, a run of ``naflex_accum.openclip``
-trains only after every rank has audited the installed step, called through
-``open_clip_train.train`` as ``train_one_epoch`` calls it, on a tiny CPU model of
-this run's task built by upstream's own ``create_model`` and ``create_task``
-(from the run's own arguments), in the run's ``--naflex-loss-scale`` and
-accumulation mode, and every rank's rows passed with the same upstream
-fingerprint. Otherwise every rank stops with one line naming a failing row and
-its rank. ``NAFLEX_ACCUM_VERIFY=0`` skips the check, and the run records the
-skip; a run whose loop never calls the step records that instead
-(``record_unused``). The check forks the CPU random state and restores the
-thread count, so the run draws what it would have drawn without it.
+Invariant: unless ``NAFLEX_ACCUM_VERIFY=0`` (recorded), a run trains only after every rank audited the
+installed step, called as ``train_one_epoch`` calls it, on a tiny CPU model of this run's task from upstream's
+own factories, and every rank passed with one fingerprint; else every rank stops with one line. The CPU random
+state and thread count are left as they were. docs/upstream.md, "The self-check before every run".
 """
 import os
 import time

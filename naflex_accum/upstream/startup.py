@@ -1,24 +1,10 @@
 """A start of upstream's ``main`` that fails before its first step leaves nothing that would block its retry.
 
-Invariant: when upstream's ``main`` stops before its first step (an exception,
-its "refused to start" -1, an exit or an interrupt), this start takes back from
-its run folder ``--logs/--name`` only what it proves it made, and only on the
-process upstream's ``main`` creates the folder on (its ``is_master(args,
-local=args.log_local)``) with ``--name`` a plain folder name. The folder is
-this start's only if it was not under ``--logs`` when upstream's ``main`` began
-setting up its process group (before it names and creates the folder) and the
-log file in it is the very file a handler upstream's ``setup_logging`` attached
-in this start has open (same device and inode): absence alone proves nothing,
-another start with the same ``--name`` may have made it since (upstream then
-refuses before opening a log, and this start takes nothing). From such a folder
-go this process's log file, and on rank 0 ``params.txt`` and ``checkpoints/``
-and ``tensorboard/`` if empty; then the folder if empty, and each level of
-``--logs`` that was missing at the start, deepest first, while empty. Anything
-else keeps the folder, named in the line. No step may have run since the
-self-check (no optimizer stepped, the fixed step was not called). A folder from
-an earlier start is kept whole (its ``out.log`` gets the traceback), and so is
-all of a run that has stepped, whose failure is reported as before. ``failed``
-words upstream's error in one line, with what became of the folder.
+Invariant: such a start takes back from ``--logs/--name`` only what it proves it made (the folder absent when
+setup began, and its log file the very inode this start's handler has open), only on the process that created
+it: that log, on rank 0 ``params.txt`` and empty ``checkpoints/``/``tensorboard/``, then empty folders it
+created; anything else keeps the folder, named in the line. A run that stepped is reported as before.
+docs/upstream.md, "When upstream's main fails before its first step".
 """
 import logging
 import os

@@ -1,14 +1,8 @@
 """Tiny random CLIP, SigLIP and CoCa tasks built by upstream open_clip main's own factory and task classes.
 
-Invariant: the model comes from upstream's ``open_clip.create_model``, as its
-trainer builds one (CLIP and SigLIP with ``force_naflex_vision=True``, as under
-``--use-naflex``), and the task is upstream's ``CLIPTask``/``SigLIPTask``/
-``CoCaTask``, so ``naflex-accum verify`` audits a step on the objects that
-upstream training hands it. CoCa takes dense images: upstream's CoCa needs the
-image tower's tokens (attentional pooling), which its NaFlex conversion refuses,
-so CoCa windows are ``[B, 3, H, W]`` images. The same seed gives the same
-weights on every call. Nothing is built or imported until called; open_clip
-3.3.0 (no ``open_clip.task``) is reported unavailable.
+Invariant: the model comes from upstream's ``open_clip.create_model`` as its trainer builds one (NaFlex for CLIP
+and SigLIP; dense for CoCa, whose pooling needs tokens NaFlex refuses) in upstream's task class, seeded; nothing
+is built until called, and open_clip 3.3.0 (no ``open_clip.task``) is reported unavailable.
 """
 import contextlib
 import copy
