@@ -38,10 +38,8 @@ class WriteError(UsageError):
 
 
 class StepError(ValueError):
-    """A bad setting or input that the accumulation step refuses, in one line.
-
-    The step's own refusals (and the contract's, ``ContractError``) are of this class, so a runner
-    can print them as one line where a traceback from inside the step would otherwise reach the user.
+    """A bad setting or input the accumulation step (or its contract, ``ContractError``) refuses, in one line,
+    so a runner prints it instead of a traceback from inside the step.
     """
 
 
@@ -106,10 +104,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def check_int(value, flag: str, minimum: int = 1, noun: Optional[str] = None) -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum``; else a UsageError naming ``flag``.
-
-    The message says "a positive integer" for ``minimum`` 1 and "an integer >= N"
-    otherwise, unless ``noun`` words it.
+    """``value`` if it is an int (not a bool) of at least ``minimum``; else a UsageError naming ``flag`` ("a
+    positive integer", "an integer >= N", or ``noun``).
     """
     if not is_int_at_least(value, minimum):
         noun = noun or ("a positive integer" if minimum == 1 else f"an integer >= {minimum}")

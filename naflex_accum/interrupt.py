@@ -63,12 +63,9 @@ class _Deferred:
 
 
 def deferred() -> _Deferred:
-    """A block (``with deferred():``) that holds a SIGINT arriving inside it until it ends, then lets the
-    handler before act on it.
-
-    For a block that must not be left half done: starting the loader's workers, where a KeyboardInterrupt
-    raised inside fork's hooks would be dropped, and one raised before the workers are recorded
-    (``data.workers``) would leave them running. Processes forked inside ignore it. Main thread only.
+    """A block that holds a SIGINT arriving inside it until it ends, then lets the handler act on it: for
+    starting the loader's workers, where an interrupt inside fork's hooks would be dropped or leave workers
+    unrecorded (``data.workers``). Main thread only.
     """
     return _Deferred()
 

@@ -120,11 +120,6 @@ def load_config(name_or_path: str) -> dict:
     return cfg
 
 
-def set_text_dropout(model: nn.Module, p: float) -> None:
-    """Attention dropout in every text-tower attention (open_clip 3.3.0 has no config field for it)."""
-    set_attention_dropout(model.transformer, p)
-
-
 def set_attention_dropout(module: nn.Module, p: float) -> None:
     """Dropout ``p`` in every ``nn.MultiheadAttention`` under ``module``."""
     for sub in module.modules():
@@ -144,18 +139,14 @@ def create_model(
 ):
     """An open_clip ``CLIP`` with a NaFlexVit image tower, returning a dict.
 
-    ``patch_sizes`` (``--naflex-patch-sizes``): with more than one, the tower
-    takes unflattened patches of any size (see the module).
-    ``siglip`` forces a ``logit_bias`` (init -10, logit scale init ln 10, as
-    SigLIP) on or off; ``None`` keeps what the config says.
-    ``grad_checkpointing`` calls the model's own ``set_grad_checkpointing(True)``
-    (timm NaFlexVit's blocks and open_clip's text transformer).
+    ``patch_sizes``: more than one takes unflattened patches of any size; ``siglip`` forces a ``logit_bias`` (init
+    -10, scale ln 10) on or off (``None``: the config's); ``grad_checkpointing``: the model's own.
     """
     register_timm_models()
     model = CLIP(**model_config(name_or_config, siglip=siglip, patch_dropout=patch_dropout, drop_path=drop_path,
                                 patch_sizes=patch_sizes), output_dict=True)
-    if text_dropout:
-        set_text_dropout(model, text_dropout)
+    if text_dropout:  # open_clip 3.3.0 has no config field for text-tower attention dropout
+        set_attention_dropout(model.transformer, text_dropout)
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
     return model
@@ -206,27 +197,18 @@ COCA_TINY = {
     "multimodal_cfg": {"context_length": 16, "vocab_size": 1024, "width": 32, "heads": 2, "layers": 1,
                        "dim_head": 16, "attn_pooler_heads": 2},
 }
-_coca_class = None
 
 
-def _upstream_style_coca():
+class UpstreamStyleCoCa(CoCa):
     """open_clip's CoCa returning upstream main's outputs: logits at every text position, no ``labels``."""
-    global _coca_class
-    if _coca_class is None:
-        class UpstreamStyleCoCa(CoCa):
-            def forward(self, image, text=None, image_latent=None, image_embs=None):
-                return super().forward(image, text, image_latent, image_embs, output_labels=False)
 
-        _coca_class = UpstreamStyleCoCa
-    return _coca_class
+    def forward(self, image, text=None, image_latent=None, image_embs=None):
+        return super().forward(image, text, image_latent, image_embs, output_labels=False)
 
 
 def fill_decoder_projection(model) -> None:
-    """Initialise CoCa's ``text_decoder.text_projection`` as open_clip's ``init_parameters`` means to.
-
-    open_clip (3.3.0 and main) creates it with ``torch.empty`` and never calls the
-    method that would fill it, so a fresh CoCa's caption logits start from whatever
-    memory held (NaN at times): no audit can be reproducible on that.
+    """Initialise CoCa's ``text_decoder.text_projection`` as open_clip's ``init_parameters`` means to: open_clip
+    makes it with ``torch.empty`` and never fills it (NaN at times), which no audit can reproduce.
     """
     projection = model.text_decoder.text_projection
     nn.init.normal_(projection, std=projection.shape[0] ** -0.5)  # shape[0] is the decoder's width
@@ -234,15 +216,13 @@ def fill_decoder_projection(model) -> None:
 
 def create_coca_model(config: Optional[dict] = None, *, patch_dropout: Optional[float] = None,
                       text_dropout: float = 0.0, logit_bias: bool = False, grad_checkpointing: bool = False):
-    """A tiny random open_clip ``CoCa`` (dense images) that returns upstream main's CoCa output dict.
-
-    ``text_dropout`` is attention dropout in the text tower and the text decoder;
-    ``logit_bias`` adds one (unused by CoCaLoss, as upstream's task pops it).
+    """A tiny random open_clip ``CoCa`` (dense images) returning upstream main's CoCa outputs; ``text_dropout``
+    in the text tower and decoder; ``logit_bias`` adds one (unused by CoCaLoss).
     """
     cfg = copy.deepcopy(config or COCA_TINY)
     if patch_dropout is not None:
         cfg["vision_cfg"]["patch_dropout"] = patch_dropout
-    model = _upstream_style_coca()(**cfg, init_logit_bias=-10.0 if logit_bias else None)
+    model = UpstreamStyleCoCa(**cfg, init_logit_bias=-10.0 if logit_bias else None)
     fill_decoder_projection(model)
     if text_dropout:
         set_attention_dropout(model.text, text_dropout)

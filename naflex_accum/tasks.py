@@ -52,11 +52,8 @@ class ContrastiveTask(nn.Module):
             model.logit_scale.clamp_(0, max_val)
 
     def prepare_batch(self, batch: Dict, device, input_dtype: Optional[torch.dtype] = None) -> Dict:
-        """Move tensors to ``device``; floats take ``input_dtype``, integers and bools keep theirs.
-
-        The data pipeline's uint8 NaFlex patches are normalised there, after the move
-        (``naflex.normalize_patches``): on a GPU run the float pass costs the loader's
-        CPUs nothing, and a quarter of the bytes cross to the device.
+        """Move tensors to ``device`` (floats as ``input_dtype``); uint8 NaFlex patches are normalised there, after
+        the move: a quarter of the bytes cross, and the loader's CPUs skip the float pass.
         """
         out = {}
         for key, value in batch.items():
@@ -85,14 +82,8 @@ class SigLipTask(ContrastiveTask):
 
 
 class CocaTask(ContrastiveTask):
-    """open_clip's CoCa with ``CoCaLoss`` (contrastive plus captioning), as upstream main's ``CoCaTask``.
-
-    The model returns upstream main's CoCa outputs (logits over every text
-    position, no labels: ``models.create_coca_model``). Both paths shift for
-    teacher forcing (logits without the last position, labels from the text
-    without the first token), and ``compute_accum_loss`` does it upstream's way:
-    it adds ``labels`` to the inputs it is given, replaces ``logits`` by a
-    slice and pops ``logit_bias``, which CoCaLoss does not take.
+    """open_clip's CoCa with ``CoCaLoss``, as upstream main's ``CoCaTask``: both paths shift for teacher forcing,
+    and ``compute_accum_loss`` does it upstream's way (adds ``labels``, slices ``logits``, pops ``logit_bias``).
     """
 
     def __init__(self, model, *, caption_loss_weight=2.0, clip_loss_weight=1.0, local_loss=False,

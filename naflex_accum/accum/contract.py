@@ -64,11 +64,8 @@ def form_of(value) -> Optional[Contract]:
 
 def task_result(value, where: str, contract: Optional[Contract],
                 logits: Optional[Dict] = None) -> Tuple[Dict, Dict, Contract]:
-    """``(losses, report, generation)`` from what ``where`` returned.
-
-    ``contract``: the generation expected (``None``: whichever the value's form
-    is). ``logits``: the logit values the step passed in, which a ``losses``
-    generation task does not report back (its step did).
+    """``(losses, report, generation)`` from what ``where`` returned; ``contract``: the generation expected (None:
+    the value's own form); ``logits``: what the step passed in, which a ``losses`` task does not report back.
     """
     found = form_of(value)
     if found is None or (contract is not None and found is not contract):

@@ -30,10 +30,8 @@ def cuda_devices_of(obj) -> List[int]:
 
 
 class RngState:
-    """The CPU generator state, plus the states of the CUDA devices in use.
-
-    The step captures one per microbatch and replays it; the trainer saves a
-    process's (``current()``, ``to_dict()``) in a checkpoint and ``restore()``s it.
+    """The CPU generator state, plus the states of the CUDA devices in use: one per microbatch for the step,
+    a process's (``current()``, ``to_dict()``, ``restore()``) for a checkpoint.
     """
 
     def __init__(self, devices: List[int], cpu: Optional[torch.Tensor] = None,

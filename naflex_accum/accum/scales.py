@@ -48,11 +48,8 @@ def validate_sizes(sizes: Sequence[int]) -> list:
 
 
 def check_options(mode: Optional[str], reference_batch_size, naflex: bool = True) -> str:
-    """Validate the flags a window will use, before anything runs.
-
-    The reference batch size only matters (and is only checked) when the mode
-    scales and the window is NaFlex, matching upstream, where dense runs never
-    read it.
+    """Validate the flags a window will use, before anything runs; the reference batch size only where the
+    mode scales a NaFlex window (upstream's dense runs never read it).
     """
     mode = validate_mode(mode)
     if mode != "none" and naflex:
@@ -88,10 +85,8 @@ def window_loss_scale(
 
 
 def window_is_naflex(flags: Sequence[bool]) -> bool:
-    """True for an all-NaFlex window, False for all-dense; a mix is an error.
-
-    A mixed window has no single meaning for the scale (upstream would scale
-    some replays and not others), so it is refused with the positions named.
+    """True for an all-NaFlex window, False for all-dense; a mix (no single meaning for the scale) is refused
+    with the positions named.
     """
     flags = [bool(f) for f in flags]
     if all(flags):

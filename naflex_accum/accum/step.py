@@ -101,11 +101,8 @@ class AccumulationStep:
     def logit_inputs(self, model_out: dict, j: int, final: bool) -> dict:
         """The logit values microbatch ``j``'s backward sees: taking gradient in the final one only.
 
-        Every microbatch's backward carries the whole window's loss, so live
-        logit values in each would count their gradient k times; the others pass
-        them through ``zero_gradient``, so each backward still reaches the logit
-        parameters (FSDP2 mixed precision, module docstring). The final backward
-        is the synced one, so under DDP every parameter takes its gradient there.
+        Every backward carries the whole window's loss, so the others pass them through ``zero_gradient``: counted
+        once, yet every backward reaches the logit parameters (FSDP2), and the synced final one gives DDP them all.
         """
         return {key: (model_out[key] if final else zero_gradient(model_out[key]))
                 for key in LOGIT_KEYS if key in model_out}

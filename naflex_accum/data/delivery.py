@@ -26,10 +26,8 @@ def _passthrough(batch):
 
 
 class EpochCounter:
-    """Per-epoch counters and the rate-limited warnings for corrupt samples.
-
-    Training counts stand-ins (``fill``): an unusable sample's row took another sample of its slot. Held-out
-    data has none: an unusable sample is skipped.
+    """Per-epoch counters and the rate-limited warnings for corrupt samples (training counts stand-ins; held-out
+    data skips an unusable sample).
     """
 
     def __init__(self, what: str, epoch: Optional[int] = None):
@@ -70,15 +68,11 @@ class EpochCounter:
 
 
 def freeze_heap() -> None:
-    """In a loader worker: exempt the heap it inherited (modules, the model, the loader) from the cyclic
-    garbage collector.
+    """In a loader worker: exempt the heap it inherited from the cyclic garbage collector.
 
-    Those ~400,000 objects are never garbage, yet a full collection walks them all (about 0.2 s) and, in a
-    forked worker, writes to their pages, which copies them from the parent. A frozen cycle is never freed:
-    the worker's frozen copies of the parent's garbage lie in pages it never touches and go with it. The
-    training process freezes nothing: a full collection first (to free its cycles) would cost 0.25 s at
-    each start, more than the freeze saves it (on the photo benchmark it has no full collection in an
-    epoch of 2,000 images, with 0 workers or more).
+    A full collection walks those ~400,000 never-garbage objects (0.2 s) and, forked, copies their pages from the
+    parent; the frozen garbage goes with the worker. The training process freezes nothing: the collection it
+    would need first costs more than the freeze saves.
     """
     gc.freeze()
 
@@ -107,10 +101,8 @@ def torch_loader(dataset, workers: int, pin_memory: bool, persistent: bool = Fal
 
 
 def iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -> Iterator:
-    """``(batch, meta)`` from ``source`` (a dataset, or a DataLoader over one); pinned if asked (and CUDA is).
-
-    A wait of over ``timeout`` seconds (0: none) for the next batch stops the workers (``workers``), or, reading in
-    this process, the read and its ``pipe:`` commands (``alarm``).
+    """``(batch, meta)`` from ``source`` (a dataset, or a DataLoader over one); pinned if asked (and CUDA is);
+    a wait over ``timeout`` seconds (0: none) stops the workers (``workers``) or the in-process read (``alarm``).
     """
     with deferred():  # a Ctrl-C while the workers start acts once they are registered, so they get stopped
         loader, source = source, iter(source)

@@ -32,10 +32,8 @@ def fresh_shared(numel: int) -> torch.Tensor:
 
 
 class SlotRef:
-    """A batch's patches in slot ``slot`` of worker ``worker``: the first ``prod(shape)`` bytes of its memory.
-
-    ``memory`` (the slot's whole memory) travels with the first batch of each generation of the slot only.
-    Not a tuple, so that the DataLoader's pin-memory thread passes it through as it is (see ``pin_memory``).
+    """A batch's patches in slot ``slot`` of worker ``worker`` (its first ``prod(shape)`` bytes); ``memory`` travels
+    with a slot generation's first batch only. Not a tuple, so the pin-memory thread passes it as it is.
     """
     __slots__ = ("worker", "slot", "generation", "shape", "memory")
 
@@ -122,10 +120,8 @@ def pack(item: Tuple[Optional[Dict], Dict]) -> Tuple[Optional[Dict], Dict]:
 
 
 class Receiver:
-    """The main process's side: each worker slot's memory, mapped once, and the batches over it.
-
-    ``flags`` is the ``new_flags`` tensor the workers' ``WorkerSlots`` use; a receiver
-    lives as long as those workers (a persistent loader keeps one across epochs).
+    """The main process's side: each worker slot's memory, mapped once, and the batches over it; it lives as
+    long as the workers whose ``WorkerSlots`` share ``flags``.
     """
 
     def __init__(self, flags: Optional[torch.Tensor] = None):

@@ -114,10 +114,7 @@ class FolderSource:
 
 class LabelledBatches(torch.utils.data.IterableDataset):
     """``(NaFlex image batch, labels)`` of a source, built in the loader's workers; last yield is the problems.
-
-    Images become patches exactly as the training and held-out batches do (``data.decode.decode_for_seq``,
-    then ``patches.patchify_images``: uint8, normalised on the device by ``patches.normalize_patches``), so
-    zero-shot accuracy is measured on the pixels training sees.
+    Images become patches exactly as training batches do, so zero-shot accuracy is measured on the pixels training sees.
     """
 
     def __init__(self, source, seq_len: int, patch_size: int, batch_size: int, decode: str = "scaled",

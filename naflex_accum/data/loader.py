@@ -33,11 +33,8 @@ RING_LOOKAHEAD = 4  # batches past the one delivered that get a ring buffer: mor
 class TrainLoader:
     """One rank's training batches; ``set_epoch`` picks the epoch (and the first batch), iterating yields its batches.
 
-    ``iter_meta()`` yields ``(batch, meta)`` instead, ``meta`` holding the batch's
-    ``index`` in the epoch and its ``samples`` and ``image_tokens`` counted on the
-    CPU, so a training loop needs no device sync to count them. The worker
-    processes are kept from one epoch to the next; ``pin_memory=True`` (for CUDA):
-    batches arrive in pinned memory.
+    ``iter_meta()`` adds each batch's ``meta`` (``index``, ``samples``, ``image_tokens`` counted on the CPU: no device
+    sync). Workers persist across epochs; ``pin_memory=True`` (CUDA) delivers pinned batches.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False):
@@ -112,10 +109,8 @@ class TrainLoader:
         self._position[:7].copy_(torch.tensor(values, dtype=torch.int64))
 
     def set_epoch(self, epoch: int, start_batch: int = 0, segment: Optional[Segment] = None):
-        """Iterate epoch ``epoch`` (or ``segment`` of it) from its batch ``start_batch`` on (a resume inside it).
-
-        The batches yielded are exactly those the whole epoch (segment) yields from that index
-        on; the ones before it are skipped without decoding (see ``pipeline``).
+        """Iterate epoch ``epoch`` (or ``segment`` of it) from batch ``start_batch`` on: exactly the whole epoch's
+        batches from there, the ones before skipped without decoding.
         """
         check_int(epoch, "epoch", 0)
         check_int(start_batch, "start_batch", 0)
@@ -131,11 +126,8 @@ class TrainLoader:
         self._write_position(segment, start_batch)
 
     def resized(self, saved: Segment, steps_done: int, samples: int, tokens: int) -> Segment:
-        """The segment at this world size that goes on with ``saved``'s epoch after its step ``steps_done``.
-
-        ``samples`` and ``tokens`` (global, token slots) are what the epoch consumed up to there;
-        the new segment covers what is left of the epoch's target (the data set, ``--train-num-samples``
-        or tokens), whole steps within it.
+        """The segment at this world size that goes on with ``saved``'s epoch after its step ``steps_done``, covering
+        in whole steps what is left of the epoch's target after ``samples`` and ``tokens`` (global) consumed.
         """
         saved_steps = max(1, saved.num_batches // self.cfg.accum_freq)
         progress = saved.progress + (1.0 - saved.progress) * (steps_done - saved.first_step) / saved_steps
@@ -282,10 +274,8 @@ class ValLoader:
 
 
 def data_index(cfg: DataConfig) -> DataIndex:
-    """The shards of ``--train-data``, their sizes (``index.shard_sizes``), sources and resampling weights.
-
-    A distributed run makes it once (on rank 0) and gives it to every rank (``DataConfig.index``): the ranks
-    must cut their epochs from the same sizes, whatever each would have counted of a flaky source.
+    """The shards of ``--train-data``, their sizes, sources and resampling weights: made once on rank 0 and given
+    to every rank (``DataConfig.index``), so all cut their epochs from the same sizes.
     """
     sources = expand_sources(cfg.train_data, "--train-data")
     urls = [url for source in sources for url in source]

@@ -29,11 +29,8 @@ def check_slots(slots: int, world_size: int, where: str = "--data-slots") -> int
 
 @dataclass(frozen=True)
 class Segment:
-    """Epoch ``epoch`` from global position ``base`` on, ``num_batches`` batches per rank at ``world_size``.
-
-    ``first_step`` optimizer steps of the epoch came before it, ``progress`` is the fraction of
-    the epoch they count for in the learning-rate schedule (0 for an epoch's first segment),
-    ``base_tokens`` the global token slots (batch size x sequence length) consumed before it.
+    """Epoch ``epoch`` from global position ``base`` on, ``num_batches`` batches per rank at ``world_size``; after
+    ``first_step`` optimizer steps worth ``progress`` of the epoch's LR schedule and ``base_tokens`` token slots.
     """
     epoch: int
     num_batches: int
@@ -53,11 +50,8 @@ class Segment:
 
 
 def slot_worker(slot: int, world_size: int, workers: int) -> int:
-    """The loader worker (of ``workers``) that reads ``slot`` on the rank its positions fall to.
-
-    A slot's positions of one pass are congruent modulo the slot count, so modulo the world
-    size (which divides it): they all fall to one rank, and the rank's slots are ``r, r + W,
-    r + 2W, ...``; its workers take every ``workers``-th of them.
+    """The loader worker (of ``workers``) that reads ``slot``: a slot's positions in a pass are congruent modulo
+    the world size, so fall to one rank, whose slots ``r, r + W, ...`` its workers take in turn.
     """
     return (slot // world_size) % max(1, workers)
 

@@ -59,10 +59,8 @@ def size_for_seq(hw: Tuple[int, int], patch_size: int, seq_len: int) -> Tuple[in
 
 
 def resize_for_seq(img: torch.Tensor, seq_len: int, patch_size: int = 16) -> torch.Tensor:
-    """A uint8 ``[C, H, W]`` image resized (keeping its aspect) to at most ``seq_len`` patches.
-
-    torchvision's uint8 bicubic with antialiasing, Pillow's filter to within rounding
-    (channels-last input, as ``data.images.decode_rgb`` gives, takes its fastest path).
+    """A uint8 ``[C, H, W]`` image resized (keeping its aspect) to at most ``seq_len`` patches: torchvision's
+    uint8 antialiased bicubic, Pillow's filter to within rounding (channels-last input is fastest).
     """
     h, w = size_for_seq(tuple(img.shape[-2:]), patch_size, seq_len)
     if (h, w) == tuple(img.shape[-2:]):
@@ -83,15 +81,9 @@ def patchify_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: in
                     alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one zero-padded uint8 NaFlex batch.
 
-    What the data pipeline hands over: ``normalize_patches`` turns it into the
-    model's float batch on the training device, as timm's ``NaFlexPrefetchLoader``
-    normalises there (a quarter of the bytes to write, share, pin and copy, and the
-    float pass off the loader's CPU). One strided copy per image gathers its patches
-    (row-major grid, channels-last patches: ``patchify_into``); the mask and the
-    coordinates are a few tensor ops for the whole batch. ``alloc(numel)``, if given,
-    supplies the uint8 memory for the patches (shared memory, so that handing the
-    batch from a loader worker to the main process copies nothing; a recycled slot,
-    see ``data.handover``).
+    ``normalize_patches`` makes the model's floats on the device, as timm's ``NaFlexPrefetchLoader`` does; one
+    strided copy per image (``patchify_into``). ``alloc(numel)``, if given, supplies the patches' memory (shared
+    memory or a ``handover`` slot, so the hand-over copies nothing).
     """
     p, n = patch_size, len(images)
     channels = images[0].shape[0]
@@ -125,12 +117,9 @@ def patchify_into(row, img: torch.Tensor, patch_size: int, index: int = 0) -> Tu
 
 def normalize_patches(image: Dict[str, torch.Tensor], mean=IMAGE_MEAN, std=IMAGE_STD,
                       dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
-    """A uint8 NaFlex batch (``patchify_images``) as the model's normalised float one, on the patches' device.
-
-    One conversion and one ``x * scale + shift`` in float32 (then ``dtype``, if given),
-    with the padding set to exactly zero: the values are bit for bit those the
-    pipeline's collate wrote before it handed over uint8. A batch whose patches are
-    already floats is returned as it is.
+    """A uint8 NaFlex batch (``patchify_images``) as the model's normalised float one, on the patches' device:
+    one ``x * scale + shift`` in float32 (then ``dtype``), padding exactly zero, bit for bit the CPU collate's.
+    Float patches are returned as they are.
     """
     patches = image["patches"]
     if patches.is_floating_point():
@@ -188,10 +177,8 @@ def patch_grid(counts: Sequence[int], widths: Sequence[int], seq_len: int) -> Tu
 
 
 def pil_to_patches(img, seq_len: int, patch_size: int = 16, flatten: bool = True) -> Dict[str, torch.Tensor]:
-    """A PIL image resized (keeping its aspect, Pillow's bicubic) to at most ``seq_len`` patches, as uint8 patches.
-
-    The Pillow reference for the pipeline's torchvision path (full decode, no reduced
-    DCT scale). Normalise a batch of them with ``collate_uint8_patches``.
+    """A PIL image resized (Pillow's bicubic) to at most ``seq_len`` patches, as uint8 patches: the Pillow
+    reference for the pipeline's path (``collate_uint8_patches`` normalises a batch of them).
     """
     h, w = size_for_seq((img.height, img.width), patch_size, seq_len)
     if img.mode in ("P", "PA") and "transparency" in img.info:
@@ -224,10 +211,8 @@ def _collate(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
 
 def collate_uint8_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
                           mean=IMAGE_MEAN, std=IMAGE_STD) -> Dict[str, torch.Tensor]:
-    """Stack uint8 patch dicts (``pil_to_patches``), normalised and zero-padded to ``seq_len``.
-
-    Patches are channels-last (``[.., P*P*C]`` or ``[.., P, P, C]``), normalised by
-    ``normalize_patches`` as the pipeline's batches are.
+    """Stack uint8 patch dicts (``pil_to_patches``), normalised (``normalize_patches``) and zero-padded to
+    ``seq_len``.
     """
     return normalize_patches(_collate(items, seq_len, torch.uint8), mean, std)
 

@@ -84,17 +84,10 @@ def _segment(position: torch.Tensor) -> Tuple[Segment, int]:
 class TrainStream(torch.utils.data.IterableDataset):
     """One rank's batches of one epoch segment; in a DataLoader worker, that worker's part of each of them.
 
-    ``position`` is the int64 tensor ``TrainLoader`` writes its segment and start
-    batch into, read at each ``iter``: in shared memory it lets persistent workers
-    follow ``set_epoch``. Slot ``s`` is read by worker ``(s // world size) % workers``
-    of the rank its positions fall to (``order.slot_worker``); each worker yields,
-    for every batch from the start batch on, its part: the rows of the batch whose
-    samples come from its slots (``fill``), with ``meta["rows"]`` saying which
-    (``TrainLoader`` puts the parts together). With ``recycle`` (what ``TrainLoader``
-    asks for unless it pins) patches go into recycled shared-memory slots
-    (``handover``), in a worker or in this process alike, and what it yields must go
-    through a ``handover.Receiver`` over ``flags``; without it workers write each
-    part into fresh shared memory, and in this process parts are plain.
+    ``position`` is the shared int64 tensor ``TrainLoader`` writes its segment and start batch into (persistent
+    workers follow ``set_epoch``); each worker yields its slots' rows of every batch (``order.slot_worker``,
+    ``meta["rows"]``). With ``recycle`` patches go into ``handover`` slots and must be received through a
+    ``handover.Receiver`` over ``flags``.
     """
 
     def __init__(self, index: DataIndex, plan: Schedule, position: torch.Tensor, rank: int, workers: int,

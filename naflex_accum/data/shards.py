@@ -44,11 +44,8 @@ def _expand_local(pattern: str, source: str, flag: str) -> List[str]:
 
 
 def expand_urls(spec: str, flag: str = "--train-data") -> List[str]:
-    """``'a/{000..009}.tar::pipe:cat b.tar'`` -> the list of shard URLs, checked as far as is cheap.
-
-    Sources are joined by ``::`` (as in open_clip); each is braceexpanded; local ones
-    may also be globs or a directory of ``.tar`` files. ``pipe:`` and remote URLs are
-    passed through unchecked (a bad one is reported as a corrupt shard when read).
+    """``'a/{000..009}.tar::pipe:cat b.tar'`` -> the shard URLs: ``::``-joined sources, braceexpanded, local ones
+    also globs or a folder of ``.tar`` files, checked; ``pipe:`` and remote URLs pass unchecked.
     """
     return [url for source in expand_sources(spec, flag) for url in source]
 

@@ -120,10 +120,8 @@ class _Chunked:
         return out
 
     def skip(self, n: int) -> int:
-        """Pass over the next ``n`` bytes without copying them; how many there were (fewer only at the end).
-
-        A skip past the buffer on a seekable stream (a local shard) seeks instead of reading; the stream's
-        own end is not checked then, so a cut-short file shows as a short read at the next header.
+        """Pass over the next ``n`` bytes uncopied; how many there were. Past the buffer on a seekable stream it
+        seeks, so a cut-short file shows as a short read at the next header.
         """
         if self.pos + n <= len(self.buffer):
             self.pos += n
@@ -154,10 +152,8 @@ def _everything(name: str) -> bool:
 
 def iter_tar(stream: BinaryIO, want: Optional[Callable[[str], bool]] = None
              ) -> Iterator[Tuple[str, Optional[bytes]]]:
-    """``(name, data)`` of each regular file of the tar archive read from ``stream``.
-
-    ``want(name)`` False: that member's data is passed over unread (seeked past where the stream allows;
-    a compressed archive is decompressed all the same) and it comes as ``(name, None)``.
+    """``(name, data)`` of each regular file of the tar archive read from ``stream``; a member ``want(name)``
+    refuses comes as ``(name, None)``, its data passed over (seeked past where the stream allows).
     """
     reader = _Chunked(stream)
     block = reader.take(BLOCK)

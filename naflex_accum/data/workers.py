@@ -134,12 +134,9 @@ def read_failed(exc: BaseException) -> bool:
 
 def lost(processes) -> Optional[RuntimeError]:
     """torch's error for one of the worker ``processes`` seen dead within ``LOST_GRACE`` s, after a read from it
-    failed.
-
-    A killed worker's sockets close before the kernel lets it be reaped, so the main
-    thread's read of its batch (the queue, or the descriptor hand-over of its shared
-    memory) can fail with ``ConnectionResetError`` while torch's own check still sees
-    the worker alive and re-raises that read error, which names no worker."""
+    failed: a killed worker's sockets close before it can be reaped, so the read fails first with an error that
+    names no worker.
+    """
     deadline = time.monotonic() + LOST_GRACE
     while processes:
         dead = [w for w in processes if w.exitcode not in (None, 0)]

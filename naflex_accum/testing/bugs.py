@@ -50,16 +50,8 @@ def bug_step(bug: str, mode: str):
     return cls()
 
 
-per_replay_scale_step = bug_step("per-replay-scale", "replay")
-logit_k_times_step = bug_step("logit-k-times", "replay")
-no_rng_replay_step = bug_step("no-rng-replay", "replay")
-always_sync_step = bug_step("always-sync", "replay")
-upstream_style_step = bug_step("upstream-style", "replay")
-per_replay_scale_cached_step = bug_step("per-replay-scale", "cached-loss")
-logit_k_times_cached_step = bug_step("logit-k-times", "cached-loss")
-no_rng_replay_cached_step = bug_step("no-rng-replay", "cached-loss")
-always_sync_cached_step = bug_step("always-sync", "cached-loss")
-upstream_style_cached_step = bug_step("upstream-style", "cached-loss")
-
-__all__ = ["BUGS", "MODE_CLASSES", "bug_step", *(f"{b.replace('-', '_')}{m}_step" for b in BUGS
-                                                 for m in ("", "_cached"))]
+# per_replay_scale_step ... upstream_style_step (replay mode, upstream's), and each one's *_cached_step
+STEPS = {f"{bug.replace('-', '_')}{suffix}_step": bug_step(bug, mode)
+         for bug in BUGS for mode, suffix in (("replay", ""), ("cached-loss", "_cached"))}
+globals().update(STEPS)
+__all__ = ["BUGS", "MODE_CLASSES", "bug_step", *STEPS]

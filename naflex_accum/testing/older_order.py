@@ -21,14 +21,9 @@ class OlderOrder:
         return detach_values(losses), detach_values(report), spoken
 
 
-class OlderCachedLossStep(OlderOrder, CachedLossStep):
-    pass
-
-
-class OlderReplayStep(OlderOrder, ReplayStep):
-    pass
-
-
 def older(step_class):
     """``step_class`` (an ``AccumulationStep`` subclass) with the older order of work."""
     return type(f"Older{step_class.__name__}", (OlderOrder, step_class), {})
+
+
+OlderCachedLossStep, OlderReplayStep = older(CachedLossStep), older(ReplayStep)

@@ -42,12 +42,8 @@ class GradProbe(torch.optim.Optimizer):
 
 @dataclass(frozen=True)
 class WindowSpec:
-    """What a random audit window looks like: NaFlex or dense images, text length and vocabulary.
-
-    Match it to the model under audit: ``image_size`` is a dense model's input
-    size, ``context_length`` at most the text tower's, ``vocab_size`` its
-    vocabulary (the last id is the end-of-text token, where open_clip's CLIP text
-    tower pools).
+    """What a random audit window looks like: NaFlex or dense images, text length and vocabulary; match it to
+    the model under audit (the vocabulary's last id is the end-of-text token, where CLIP's text tower pools).
     """
     images: str = "naflex"  # or "dense"
     image_size: int = 32
@@ -112,10 +108,8 @@ def to_device(obj, device):
 
 
 def full_batch_grads(task, batches: List[Dict], seeds: Sequence[int], chunked: bool, autocast=nullcontext):
-    """Gradients of one backward of the loss over every example of ``batches`` (forward under ``autocast``).
-
-    ``chunked``: run the forward per microbatch (each under its seed, as the
-    step does, so stochastic layers draw the same masks), then one loss.
+    """Gradients of one backward of the loss over every example of ``batches`` (forward under ``autocast``);
+    ``chunked``: the forward per microbatch under its seed, as the step runs it, then one loss.
     """
     task.zero_grad(set_to_none=True)
     with autocast():
@@ -212,12 +206,9 @@ def audit_case(step_fn: Callable, make_task: Callable, loss: str, mode: str, spl
                autocast=nullcontext, device=None) -> AuditResult:
     """Compare ``step_fn`` on one split of a random window with the full-batch gradient.
 
-    ``make_task(loss, stochastic)`` builds a seeded task (the same weights on
-    every call); ``loss`` names the loss ('clip', 'siglip', 'coca' or any
-    label) and picks the window's look (``window_spec(loss)``: dense images for
-    'coca'), unless ``window`` says otherwise. ``autocast`` (a context factory,
-    as upstream passes it) wraps the step's forwards and the reference's alike.
-    ``device``: where the task and the window go (e.g. 'cuda').
+    ``make_task(loss, stochastic)`` builds a seeded task; ``loss`` ('clip', 'siglip', 'coca' or any label) picks
+    the window (``window_spec``) unless ``window`` is given; ``autocast`` wraps the step's and the reference's
+    forwards alike; ``device``: where task and window go.
     """
     task = make_task(loss, stochastic)
     task.train()
@@ -238,10 +229,8 @@ def audit_case(step_fn: Callable, make_task: Callable, loss: str, mode: str, spl
 
 
 def default_task_factory(loss: str, stochastic: bool, **model_options):
-    """The built-in tiny task, seeded so every call builds the same weights.
-
-    'clip'/'siglip': NaFlex CLIP (``naflex-tiny``); 'coca': a tiny dense CoCa
-    (``models.create_coca_model``). ``model_options`` go to the model factory.
+    """The built-in tiny task, seeded: NaFlex CLIP (``naflex-tiny``) for 'clip'/'siglip', a tiny dense CoCa for
+    'coca'; ``model_options`` go to the model factory.
     """
 
     torch.manual_seed(0)

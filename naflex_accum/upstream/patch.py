@@ -47,11 +47,8 @@ def patch_error(version: str, found: str, expected: str = EXPECTED) -> PatchErro
 
 
 def open_clip_version() -> str:
-    """The version of the open_clip in use, for messages; never raises.
-
-    The imported package's own version comes first: a source tree put ahead
-    on ``sys.path`` (upstream main's ``src``) shadows the installed
-    distribution, whose metadata would name the wrong one.
+    """The version of the open_clip in use, for messages; never raises. The imported package's own first: a
+    source tree ahead on ``sys.path`` shadows the installed distribution's metadata.
     """
     if "open_clip" in sys.modules:
         try:
@@ -148,11 +145,8 @@ def step_calls() -> int:
 
 
 def _announce(message: str) -> None:
-    """Say ``message`` once per process, on rank 0 only.
-
-    Launchers install before they configure logging (upstream's main adds its
-    handler after parsing args), and a process may log at WARNING only, so
-    wherever an INFO record would be dropped the line goes to stderr instead.
+    """Say ``message`` once per process, on rank 0 only: to stderr wherever an INFO record would be dropped
+    (logging not configured yet, or at WARNING).
     """
     global _announced
     if _announced or process_rank() != 0:
@@ -217,14 +211,9 @@ def _refuse_another(current, mode: Optional[str], contract) -> None:
 def install(force: bool = False, mode: Optional[str] = None, contract=None) -> Callable:
     """Replace upstream's ``_train_step_eager`` with the fixed step; return the installed function.
 
-    A no-op when ours is already there in the same mode (and contract, if
-    given); ``StepError`` when it is there in another. ``PatchError`` when
-    open_clip does not match a contract generation the fix knows (the
-    signature, then ``probe``), unless ``force``, which warns and installs a
-    step that follows each task result's form. ``mode``: ``"cached-loss"`` (default: the window loss once)
-    or ``"replay"`` (once per microbatch, as upstream); ``None`` reads
-    $NAFLEX_ACCUM_MODE. ``contract``: a ``contract.Contract`` to speak without
-    probing (for launchers that know their upstream).
+    A no-op over ours in the same mode (and contract), ``StepError`` over another; ``PatchError`` where open_clip
+    fits no known contract, unless ``force``. ``mode``: ``"cached-loss"``, ``"replay"``, or ``None`` for
+    $NAFLEX_ACCUM_MODE; ``contract``: one to speak without probing. docs/upstream.md, "The patching API".
     """
     name = get_step(mode).__name__  # an unknown mode fails before anything is touched
     with _lock:
@@ -258,10 +247,8 @@ def uninstall() -> bool:
 
 @contextlib.contextmanager
 def patched(force: bool = False, mode: Optional[str] = None, contract=None):
-    """``with patched(): ...`` runs the block with the fixed step installed.
-
-    On exit it uninstalls only what it installed: a patch that was already in
-    place before the block stays.
+    """``with patched(): ...`` runs the block with the fixed step installed, then uninstalls only what it
+    installed.
     """
     was_installed = is_installed()
     fn = install(force=force, mode=mode, contract=contract)

@@ -65,11 +65,8 @@ def _is_console(handler) -> bool:
 
 
 def _log_unfiltered(message: str) -> None:
-    """Hand one INFO record to every root handler but the console (upstream's out.log), whatever the levels.
-
-    A run's provenance must not depend on the log level: a logger or handler
-    set to WARNING would drop an ordinary INFO record. The console already
-    had each line on stderr, when it was new.
+    """Hand one INFO record to every root handler but the console (upstream's out.log), whatever the levels:
+    a run's provenance must not depend on them (the console had each line on stderr already).
     """
 
     if process_rank() != 0:
@@ -93,16 +90,9 @@ def _checked(args, mode: str, lines: list, use: preflight.StepUse) -> None:
 def _recorded_in_run_folder(module, mode: str, line: str, use: preflight.StepUse, watch: StartWatch):
     """While upstream's ``main`` runs, check the run before it trains and make its run folder record the fix.
 
-    Upstream's ``main`` parses its args, sets up its process group
-    (``init_distributed_device``), then creates the run folder, opens ``out.log``
-    (``setup_logging``) and writes ``params.txt`` from ``vars(args)``, looking
-    each function up in its module at call time. Wrapping them for the run adds
-    ``args.naflex_accum``, runs the self-check once the ranks can agree (on an
-    upstream without that function, right after parsing), shows ``watch`` where
-    the start begins and where the self-check ends, and logs the record right
-    after logging is set up; an upstream without them runs unchanged (the
-    install line still goes to stderr). Each is put back afterwards while it is
-    still ours.
+    Wraps upstream's ``parse_args`` (adds ``args.naflex_accum``), ``init_distributed_device`` (the self-check once
+    the ranks can agree; right after parsing where it is missing; ``watch`` marks the start) and ``setup_logging``
+    (the record into out.log), each looked up by ``main`` at call time; each is put back while still ours.
     """
     lines = [f"naflex-accum {__version__}: {line}"]
     check_in_parse = not callable(getattr(module, "init_distributed_device", None))

@@ -113,10 +113,8 @@ def write_model_dir(folder: str, loss: str, stochastic: bool = False,
                     vocab_size: int = TOKENIZER_VOCAB_SIZE, weights: bool = False) -> str:
     """Write ``folder/open_clip_config.json`` for ``loss``; return the ``local-dir:`` model name.
 
-    Upstream's trainer takes the name as ``--model`` (it picks its CoCa task
-    when the name contains "coca", so name a CoCa folder accordingly) and loads
-    weights found in the folder: ``weights`` saves the seeded tiny model's, which
-    a CoCa run needs (see ``models.fill_decoder_projection``).
+    Upstream's trainer picks its CoCa task when the name contains "coca"; ``weights`` saves the seeded model's,
+    which a CoCa run needs (``models.fill_decoder_projection``).
     """
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "open_clip_config.json"), "w") as f:
