@@ -8,7 +8,7 @@ patching happens only when ``install()`` or ``patched()`` is called. Nor does it
 name below loads its module on first use, so an entry point can make Ctrl-C one line (``interrupt``)
 before torch's import starts, or any other import (the console script imports this package first).
 """
-__version__ = "0.1.0"
+from .version import __version__  # a constant: the package still imports nothing heavy
 
 # name -> (module, attribute); THE drop-in is the default mode's step itself (so its name says which mode)
 _EXPORTS = {

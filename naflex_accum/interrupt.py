@@ -5,7 +5,7 @@ processes it forked (the data loader's workers). From ``install`` on (each entry
 SIGINT raises ``KeyboardInterrupt`` in the process that installed it alone, and the entry
 point turns it into the one line (``interrupted``) once the teardown it unwinds through has run (workers
 stopped, the run folder's lock released; a checkpoint being written is not there, the one before it
-whole: ``train.checkpoint``); a forked child inherits the handler and ignores SIGINT, since its parent stops it.
+whole: ``train.kept.checkpoint``); a forked child inherits the handler and ignores SIGINT, since its parent stops it.
 Only the first SIGINT counts: more, while the command stops (a Ctrl-C pressed twice), are ignored.
 A SIGINT inside a ``deferred`` block (starting the loader's workers) acts when the block ends. Once the
 command has returned, ``finished`` ignores SIGINT, so a late Ctrl-C cannot change its status. Nothing here

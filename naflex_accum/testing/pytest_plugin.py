@@ -2,7 +2,7 @@
 
     python -m pytest -p naflex_accum.testing.pytest_plugin TESTS...
 
-Invariant: ``naflex_accum.install()`` is in effect from ``pytest_configure``,
+Invariant: ``naflex_accum.install()`` (``upstream.patch.install``) is in effect from ``pytest_configure``,
 before any test module is imported (so a test that imports upstream's step by
 name gets ours), to the end of the session, and is taken out then. The
 terminal summary says how often the fixed step was called and how many
@@ -16,9 +16,9 @@ a patched one. Mode: ``$NAFLEX_ACCUM_MODE``, as for the runner.
 
 
 def pytest_configure(config):
-    import naflex_accum  # in the hook: see above
+    from naflex_accum.upstream.patch import install  # in the hook: see above
 
-    naflex_accum.install()
+    install()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

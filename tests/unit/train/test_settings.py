@@ -26,7 +26,7 @@ def exit_2_one_line(capsys, argv, *needles):
 
 
 def test_preset_values_are_parsed_like_flags(tmp_path):
-    from naflex_accum.train.params import parse_args
+    from naflex_accum.train.config.params import parse_args
 
     (tmp_path / "p.yaml").write_text("precision: amp_bfloat16\nnaflex-seq-lens: 16\nlogs-dir: /x\nsiglip: false\n"
                                      "grad-clip-norm: 1\n")
@@ -37,7 +37,7 @@ def test_preset_values_are_parsed_like_flags(tmp_path):
 
 def test_siglip_follows_the_model_config(tmp_path):
     from naflex_accum.models import load_config
-    from naflex_accum.train.params import parse_args
+    from naflex_accum.train.config.params import parse_args
 
     config = load_config("naflex-tiny")
     config.update(init_logit_bias=-10.0)
