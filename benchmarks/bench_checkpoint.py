@@ -5,8 +5,9 @@ A payload shaped like a training checkpoint (weights, two AdamW moments per weig
 in the page cache (warm: each file is read once before it is timed):
   save  ``save_checkpoint`` (the temporary file, fsync, rename)
   load  ``load_payload`` of the file that side wrote (every check a full read makes)
-plus ``torch.load`` alone, the floor both loads sit on. The baseline's ``train/checkpoint.py`` (and
-``train/integrity.py`` where it has one) come from ``git show REF:...``, imported beside today's.
+plus ``torch.load`` alone, the floor both loads sit on. The baseline's ``train/kept/checkpoint.py`` (older:
+``train/checkpoint.py``, and ``train/integrity.py`` where it has one) come from ``git show REF:...``,
+imported beside today's.
 
     python benchmarks/bench_checkpoint.py [--baseline REF] [--mib 200] [--repeats 3] [--dir DIR]
 """
@@ -21,28 +22,31 @@ from pathlib import Path
 
 import torch
 
-from naflex_accum.train import checkpoint
+from naflex_accum.train.kept import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def baseline(ref: str, folder: Path):
-    """``train/checkpoint.py`` as of ``ref``, imported as a sibling of today's (its relative imports resolve)."""
+    """``train/kept/checkpoint.py`` (or ``train/checkpoint.py``) as of ``ref``, imported as a sibling of today's (its relative imports resolve)."""
     module = None
     for name in ("integrity", "checkpoint"):
-        shown = subprocess.run(["git", "show", f"{ref}:naflex_accum/train/{name}.py"], cwd=ROOT,
-                               capture_output=True, text=True)
+        for package in ("train.kept", "train"):  # where the ref keeps it: train/kept/ or (older) train/
+            shown = subprocess.run(["git", "show", f"{ref}:naflex_accum/{package.replace('.', '/')}/{name}.py"],
+                                   cwd=ROOT, capture_output=True, text=True)
+            if not shown.returncode:
+                break
         if shown.returncode:
             continue  # a baseline without integrity.py
         path = folder / f"{name}.py"
         path.write_text(shown.stdout)
-        qualified = f"naflex_accum.train.{name}" if name == "integrity" else "naflex_accum.train.baseline_checkpoint"
+        qualified = f"naflex_accum.{package}.{name if name == 'integrity' else 'baseline_checkpoint'}"
         spec = importlib.util.spec_from_file_location(qualified, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[qualified] = module
         spec.loader.exec_module(module)
     if module is None:
-        sys.exit(f"--baseline {ref}: no naflex_accum/train/checkpoint.py there")
+        sys.exit(f"--baseline {ref}: no naflex_accum/train/kept/checkpoint.py or train/checkpoint.py there")
     return module
 
 

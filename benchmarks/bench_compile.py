@@ -16,9 +16,9 @@ from contextlib import nullcontext
 
 
 def build(model: str, compiled: bool, seq_lens):
-    from naflex_accum.train.distributed import World
+    from naflex_accum.train.ending.distributed import World
     from naflex_accum.train.main import build_optimizer, build_task
-    from naflex_accum.train.params import parse_args
+    from naflex_accum.train.config.params import parse_args
 
     flags = ["--train-data", "unused.tar", "--model", model, "--device", "cpu", "--accum-freq", "2",
              "--naflex-seq-lens", *map(str, seq_lens)] + (["--torchcompile"] if compiled else [])

@@ -36,9 +36,9 @@ def child(model_name: str, wrap: str, out: str) -> None:
 
     from naflex_accum.upstream.audit import WindowSpec, random_window
     from naflex_accum.accum.modes import get_step
-    from naflex_accum.train.distributed import init_distributed
+    from naflex_accum.train.ending.distributed import init_distributed
     from naflex_accum.train.main import build_optimizer, build_task
-    from naflex_accum.train.params import parse_args
+    from naflex_accum.train.config.params import parse_args
 
     torch.set_num_threads(1)
     world, device = init_distributed("cpu")

@@ -4,7 +4,7 @@
 mode); ``replay_step`` the other mode. Importing this package patches nothing (``install()``/``patched()`` do)
 and imports no torch: each name loads its module on first use, so an entry point sets up Ctrl-C first.
 """
-__version__ = "0.1.0"
+from .version import __version__  # a constant: the package still imports nothing heavy
 
 # name -> (module, attribute); THE drop-in is the default mode's step itself (so its name says which mode)
 _EXPORTS = {

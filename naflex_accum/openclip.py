@@ -18,7 +18,7 @@ except KeyboardInterrupt:
     exec("pass")  # as interrupt.interrupted does, which may not be imported yet
     raise SystemExit(130) from None
 
-PROG = "naflex_accum.openclip"  # the name the runner's one-line messages begin with
+PROG = __spec__.name  # this module's name under python -m too (the runner's PROG, imported only on the first call)
 
 
 def main(argv=None) -> int:

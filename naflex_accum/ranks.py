@@ -1,7 +1,7 @@
 """Which process this is: the rank variables of every launcher, in open_clip's precedence.
 
 Invariant: the one list of launcher variables the package reads (torchrun, MPI/PMI, SLURM, Open MPI; the first
-found wins, as open_clip's ``world_info_from_env``), so the trainer's world (``train.distributed``) and the
+found wins, as open_clip's ``world_info_from_env``), so the trainer's world (``train.ending.distributed``) and the
 runner's rank-0-only messages (``upstream.patch``) never disagree on who rank 0 is.
 """
 import os

@@ -63,7 +63,7 @@ def evaluation() -> None:
 
 
 def checkpoint_write() -> None:
-    from naflex_accum.train import checkpoint
+    from naflex_accum.train.kept import checkpoint
 
     saves, real_save, real_write = [0], checkpoint._save, checkpoint._Writer.write
 

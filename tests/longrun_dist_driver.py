@@ -28,7 +28,7 @@ def recording(name, fn):
         direct = caller_module()
         if not direct.startswith("torch."):  # not a collective's own inner calls
             frame, module = sys._getframe(1), direct
-            while module == "naflex_accum.train.distributed" and frame.f_back is not None:
+            while module == "naflex_accum.train.ending.distributed" and frame.f_back is not None:
                 frame = frame.f_back
                 module = frame.f_globals.get("__name__", "")
             if module.startswith("naflex_accum.train"):

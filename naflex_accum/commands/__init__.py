@@ -2,5 +2,5 @@
 
 ``ends_process`` is true where the process ends with the command (the console script, ``python -m``); a
 command that trains then leaves a scheduler's late SIGTERM ignored instead of restoring the old handlers
-(``train.preempt``). A command that runs nothing of the kind takes it and ignores it.
+(``train.ending.preempt``). A command that runs nothing of the kind takes it and ignores it.
 """

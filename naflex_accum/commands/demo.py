@@ -13,8 +13,8 @@ from ..data.demo import write_demo_data
 from ..data.index import cache_dir
 from ..errors import OneLineParser
 from ..helptext import DefaultsFormatter
+from ..train.eval.zeroshot import load_class_list
 from ..train.main import print_footer, train
-from ..train.zeroshot import load_class_list
 
 DATA_VERSION = "v1"
 ZERO_SHOT_CLASSES = "demo-shapes"  # naflex_accum/class_lists/demo-shapes.yaml: "a photo of a red triangle."

@@ -20,8 +20,8 @@ from timm.models import clean_state_dict, save_for_hf
 from ..data.patches import IMAGE_MEAN, IMAGE_STD
 from ..errors import OneLineParser, UsageError, WriteError
 from ..models import create_model, list_models, model_config
-from ..train.checkpoint import load_checkpoint
-from ..train.resume import check_fits
+from ..train.kept.checkpoint import load_checkpoint
+from ..train.kept.resume import check_fits
 
 CONFIG_NAME = "open_clip_config.json"  # what open_clip's local-dir: reads
 WEIGHTS_NAME = "open_clip_model.safetensors"  # the first name open_clip's local-dir: looks for
@@ -105,7 +105,7 @@ def run_params(checkpoint: Path) -> Tuple[Optional[str], Dict[str, str]]:
 
 def trained_patch_sizes(payload: dict, name: str, params: Optional[str],
                         entries: Dict[str, str]) -> Optional[List[int]]:
-    """The ``--naflex-patch-sizes`` the checkpoint was trained with: its own record (``train.resume``), else its
+    """The ``--naflex-patch-sizes`` the checkpoint was trained with: its own record (``train.kept.resume``), else its
     schedule (a mid-epoch checkpoint's before checkpoints had the record), else the run's params.txt (which a
     resume with other sizes does not change); None where none records them (the model's own size)."""
     schedule = payload.get("schedule")

@@ -22,7 +22,7 @@ from .pipeline import TrainStream, ValStream
 from .ring import Ring
 from .samples import IMAGE_EXTS, Corruption, shard_samples
 from .schedule import BatchSpec, DataConfig, Schedule
-from .shards import expand_sources, expand_urls, shard_weights
+from .shards import expand_sources, expand_urls, shard_weights, upsampling_factors
 from .slots import DataIndex
 from .workers import of as worker_processes, stop as stop_workers
 
@@ -39,18 +39,9 @@ class TrainLoader:
 
     def __init__(self, cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False):
         self.cfg, self.tokenizer, self.pin_memory = cfg, tokenizer, pin_memory
-        self._plan = Schedule(cfg)
+        self._plan = check_data_config(cfg)
         self._pool = Pool()  # memory for batches put together from several workers' parts
-        check_int(cfg.workers, "--workers", 0)
-        check_int(cfg.rank, "rank", 0)
-        if cfg.rank >= cfg.world_size:
-            raise UsageError(f"rank {cfg.rank} is not below world_size {cfg.world_size}")
-        check_int(cfg.sample_shuffle_size, "--sample-shuffle-size", 0)
-        check_mode(cfg.image_decode)
         num_samples, num_tokens = cfg.num_samples, cfg.num_image_tokens
-        if num_samples is not None and num_tokens is not None:
-            raise UsageError(f"give one of --train-num-samples ({num_samples}) or --naflex-num-train-image-tokens "
-                             f"({num_tokens}), not both: each sizes the epoch")
         self.slots = check_slots(default_slots(cfg.world_size, cfg.workers) if cfg.slots is None else cfg.slots,
                                  cfg.world_size)
         self.index = cfg.index if cfg.index is not None else data_index(cfg)
@@ -323,6 +314,31 @@ def _check_sizes(index: DataIndex, plan: Schedule, cfg: DataConfig, slots: int, 
                          f"{slots} data slots' parts ({share}) must hold two optimizer steps' rows ({2 * window}) for "
                          f"passes to meet without a repeat inside a step; use --train-num-samples <= {total} with "
                          f"more --epochs, or lower --data-slots (or --workers)")
+
+
+def check_data_config(cfg: DataConfig) -> Schedule:
+    """The one check of ``cfg``'s settings that needs no data, each refused as its flag; the schedule they make.
+    A train loader runs it first; the trainer runs it on its flags before it builds anything."""
+    plan = Schedule(cfg)
+    check_int(cfg.workers, "--workers", 0)
+    check_int(cfg.rank, "rank", 0)
+    if cfg.rank >= cfg.world_size:
+        raise UsageError(f"rank {cfg.rank} is not below world_size {cfg.world_size}")
+    check_int(cfg.sample_shuffle_size, "--sample-shuffle-size", 0)
+    check_mode(cfg.image_decode)
+    for flag, target in (("--train-num-samples", cfg.num_samples), ("--naflex-num-train-image-tokens",
+                                                                    cfg.num_image_tokens)):
+        if target is not None:
+            check_int(target, flag)
+    if cfg.num_samples is not None and cfg.num_image_tokens is not None:
+        raise UsageError(f"give one of --train-num-samples ({cfg.num_samples}) or --naflex-num-train-image-tokens "
+                         f"({cfg.num_image_tokens}), not both: each sizes the epoch")
+    if cfg.slots is not None:
+        check_slots(cfg.slots, cfg.world_size)
+    if not (cfg.timeout >= 0 and cfg.timeout != float("inf")):
+        raise UsageError(f"--data-timeout must be a number of seconds >= 0 (0: no limit); got {cfg.timeout}")
+    upsampling_factors(cfg.upsampling_factors, len(str(cfg.train_data).split("::")), cfg.dataset_resampled)
+    return plan
 
 
 def make_train_loader(cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False) -> TrainLoader:

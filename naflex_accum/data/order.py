@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Sequence
 
-from ..errors import UsageError
+from ..errors import UsageError, check_int
 
 
 def default_slots(world_size: int, workers: int) -> int:
@@ -18,8 +18,7 @@ def default_slots(world_size: int, workers: int) -> int:
 
 
 def check_slots(slots: int, world_size: int, where: str = "--data-slots") -> int:
-    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-        raise UsageError(f"{where} must be an integer >= 1; got {slots!r}")
+    check_int(slots, where)
     if slots % world_size:
         raise UsageError(f"{where} {slots} is not a multiple of the world size {world_size}: every rank reads "
                          f"{slots} / world size slots; use a multiple of every world size the run may have "

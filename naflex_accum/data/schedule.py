@@ -66,8 +66,8 @@ def normalized_probs(seq_lens: Sequence[int], probs: Optional[Sequence[float]]) 
         return [1.0 / len(seq_lens)] * len(seq_lens)
     probs = [float(p) for p in probs]
     if len(probs) != len(seq_lens):
-        raise UsageError(f"--naflex-seq-len-probs has {len(probs)} values but --naflex-seq-lens has "
-                         f"{len(seq_lens)}; give one weight per sequence length")
+        raise UsageError(f"--naflex-seq-len-probs needs one weight per --naflex-seq-lens value "
+                         f"({len(seq_lens)}); got {len(probs)}")
     if any(not math.isfinite(p) or p < 0 for p in probs) or sum(probs) <= 0:
         raise UsageError(f"--naflex-seq-len-probs {probs} must be non-negative with a sum above 0")
     total = sum(probs)
@@ -124,15 +124,11 @@ class Schedule:
         tokens = sum(c * b * s for c, b, s in zip(counts, self.batch_sizes, self.seq_lens))
         return samples, tokens
 
-    def num_batches_within(self, num_samples: Optional[int] = None, num_image_tokens: Optional[int] = None,
-                           flag: Optional[str] = None) -> int:
+    def num_batches_within(self, num_samples: Optional[int] = None, num_image_tokens: Optional[int] = None) -> int:
         """Most batches per rank (a multiple of accum_freq, whole optimizer steps) whose global samples (or
-        token slots) stay within the target; 0 when not even one step fits. What is left over is less than
-        one step's worth."""
-        if num_samples is not None:
-            target, which = check_int(num_samples, flag or "--train-num-samples"), 0
-        else:
-            target, which = check_int(num_image_tokens, flag or "--naflex-num-train-image-tokens"), 1
+        token slots) stay within the positive target; 0 when not even one step fits. What is left over is less
+        than one step's worth."""
+        target, which = (num_samples, 0) if num_samples is not None else (num_image_tokens, 1)
         per_batch = [b if which == 0 else b * s for b, s in zip(self.batch_sizes, self.seq_lens)]
         expected = sum(p * x for p, x in zip(self.probs, per_batch)) * self.world_size
         step = self.accum_freq

@@ -73,22 +73,29 @@ def expand_sources(spec: str, flag: str = "--train-data") -> List[List[str]]:
     return sources
 
 
-def shard_weights(sources: Sequence[Sequence[str]], factors: Union[None, str, Sequence[float]],
-                  resampled: bool) -> Optional[List[float]]:
-    """One sampling weight per shard: its source's upsampling factor (open_clip's meaning); None without factors."""
+def upsampling_factors(factors: Union[None, str, Sequence[float]], sources: int,
+                       resampled: bool) -> Optional[List[float]]:
+    """``--train-data-upsampling-factors`` (``'1::2'`` or numbers) as one float per '::' source of ``sources``;
+    None without factors; else the one-line refusal."""
     if factors is None:
         return None
     flag = "--train-data-upsampling-factors"
     if not resampled:
-        raise UsageError(f"{flag} needs --dataset-resampled: the factors weight shards drawn with replacement")
-    values = factors.split("::") if isinstance(factors, str) else list(factors)
-    if len(values) != len(sources):
-        raise UsageError(f"{flag} has {len(values)} values but --train-data has {len(sources)} source(s) joined "
-                         f"by '::'; give one factor per source")
+        raise UsageError(f"{flag} needs --dataset-resampled (sampling shards with replacement), as in open_clip")
     try:
-        values = [float(v) for v in values]
+        values = [float(v) for v in (factors.split("::") if isinstance(factors, str) else factors)]
     except (TypeError, ValueError):
-        raise UsageError(f"{flag} {factors!r}: each factor must be a number") from None
-    if any(not math.isfinite(v) or v < 0 for v in values) or not any(v > 0 for v in values):
-        raise UsageError(f"{flag} {values}: factors must be finite, >= 0, and not all 0")
-    return [v for v, source in zip(values, sources) for _ in source]
+        raise UsageError(f"{flag} {factors!r}: give numbers joined by '::', e.g. 1::2::0.5") from None
+    if len(values) != sources:
+        raise UsageError(f"{flag} {factors!r} has {len(values)} factors but --train-data has {sources} '::'-joined "
+                         f"sources; give one factor per source")
+    if any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
+        raise UsageError(f"{flag} {factors!r}: factors must be finite, >= 0, and not all 0")
+    return values
+
+
+def shard_weights(sources: Sequence[Sequence[str]], factors: Union[None, str, Sequence[float]],
+                  resampled: bool) -> Optional[List[float]]:
+    """One sampling weight per shard: its source's upsampling factor (open_clip's meaning); None without factors."""
+    values = upsampling_factors(factors, len(sources), resampled)
+    return None if values is None else [v for v, source in zip(values, sources) for _ in source]

@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from .. import cached_loss_step, replay_step
+from ..accum.cached_loss import cached_loss_step
+from ..accum.replay import replay_step
 from ..accum.scales import LOSS_SCALES
 from ..upstream.audit import AUDIT_SPLITS, audit_case, default_task_factory, format_summary
 from .mutating_task import make_mutating_task

@@ -12,9 +12,9 @@ fixed step's calls, so a session that never reached it cannot pass for a patched
 
 
 def pytest_configure(config):
-    import naflex_accum  # in the hook: see above
+    from naflex_accum.upstream.patch import install  # in the hook: see above
 
-    naflex_accum.install()
+    install()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -23,10 +23,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..accum.rng import RngState
-from ..data.order import Segment
+from ..data import Segment
 from ..errors import UsageError
-from .compile import mark_batch_dynamic
-from .preempt import Preempted
+from .ending.preempt import Preempted
+from .model.compile import mark_batch_dynamic
 
 log = logging.getLogger(__name__)
 

@@ -17,32 +17,30 @@ from open_clip_train.precision import get_autocast
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..accum.modes import make_step
-from ..data import DataConfig, make_train_loader, make_val_loader
-from ..data.loader import data_index
-from ..data.workers import stop_all as stop_workers
+from ..data import data_index, make_train_loader, make_val_loader, stop_workers
 from ..errors import QuietUsageError, UsageError, WriteError, last_word
 from ..models import create_model, takes_flat_patches
 from ..tasks import create_task
-from . import fsdp
-from .checkpoint import load_checkpoint
-from .compile import compile_model
-from .distributed import connect, init_distributed, world_from_env
-from .evaluate import evaluate
-from .exits import EXIT_CODES, EXIT_LOADER, EXIT_NONFINITE, transient
-from .finetune import data_options, prepare_model
-from .logs import RunLogger, setup_logging
+from .config.params import data_config, parse_args
+from .ending.distributed import connect, init_distributed, world_from_env
+from .ending.exits import EXIT_CODES, EXIT_LOADER, EXIT_NONFINITE, transient
+from .ending.preempt import EXIT_STOPPED, Preempted, StopRequest
+from .eval.evaluate import evaluate
+from .eval.zeroshot import due, make_zero_shot
+from .kept.checkpoint import load_checkpoint
+from .kept.resume import restore
+from .kept.rundir import claim_run, create_run_folder, on_master
+from .kept.saver import NonFiniteWeights, Saver
 from .loop import Loop, TrainState, train_one_epoch
 from .lr import make_scheduler
+from .model import fsdp
+from .model.compile import compile_model
+from .model.finetune import prepare_model
 from .monitor import NonFiniteLoss, StepMonitor
-from .params import parse_args
+from .output.logs import RunLogger, setup_logging
+from .output.report import open_wandb, sinks
+from .output.summary import finished, log_nothing_to_do, log_summary
 from .peers import RankEnded, RankFailure
-from .preempt import EXIT_STOPPED, Preempted, StopRequest
-from .report import open_wandb, sinks
-from .resume import restore
-from .rundir import claim_run, create_run_folder, on_master
-from .saver import NonFiniteWeights, Saver
-from .summary import finished, log_nothing_to_do, log_summary
-from .zeroshot import due, make_zero_shot
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +109,7 @@ def eval_task(task, model, args, world, device):
 
 def build_data(args, world, model, device):
     tokenizer = SimpleTokenizer(context_length=model.context_length)
-    cfg = DataConfig(
-        train_data=args.train_data, seq_lens=tuple(args.naflex_seq_lens),
-        seq_len_probs=tuple(args.naflex_seq_len_probs) if args.naflex_seq_len_probs else None,
-        max_tokens_per_batch=args.naflex_max_tokens_per_batch, batch_divisor=args.naflex_batch_divisor,
-        patch_sizes=tuple(args.naflex_patch_sizes), num_samples=args.train_num_samples,
-        num_image_tokens=args.naflex_num_train_image_tokens, accum_freq=args.accum_freq,
-        seed=args.seed, workers=args.workers, rank=world.rank, world_size=world.world_size,
-        timeout=args.data_timeout, slots=args.data_slots, image_decode=args.image_decode,
-        sample_shuffle_size=args.sample_shuffle_size, **data_options(args))
+    cfg = data_config(args, world.rank, world.world_size)
     # the shards and their sizes from rank 0, for every rank: all cut their epochs from the same sizes
     cfg.index = on_master(world, data_index, cfg) if world.distributed else None
     train = make_train_loader(cfg, tokenizer, pin_memory=device.type == "cuda")

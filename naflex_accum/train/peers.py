@@ -29,9 +29,9 @@ from ..errors import QuietUsageError, UsageError, last_word
 from ..interrupt import EXIT_INTERRUPTED
 from . import storehost
 from .channel import Channel, Failure, Pulse
-from .exits import EXIT_LOADER, transient
-from .logs import log_file_only
-from .preempt import EXIT_STOPPED
+from .ending.exits import EXIT_LOADER, transient
+from .output.logs import log_file_only
+from .ending.preempt import EXIT_STOPPED
 
 DEFAULT_TIMEOUT = 600.0  # --dist-timeout's default (docs/distributed.md says why)
 COLLECTIVE_MARGIN = 30.0  # a collective waits --dist-timeout + this: a rank stuck on its loader names itself first

@@ -25,10 +25,10 @@ from typing import Optional
 import torch.distributed as dist
 
 from .channel import GONE, Channel, Failure, Pulse
-from .exits import EXIT_LOADER
-from .logs import LOGGER_NAME
+from .ending.exits import EXIT_LOADER
+from .output.logs import LOGGER_NAME
 from .peers import ACK_WAIT, ended_line, frozen_line, ranks_text
-from .preempt import EXIT_STOPPED, SIGNALS
+from .ending.preempt import EXIT_STOPPED, SIGNALS
 
 TAKEOVER = 5.0  # seconds the main thread gets to end the process itself once a failure is decided
 MAIN_ENDING_LIMIT = 30.0  # a main thread that began ending this long ago and has not: this thread ends it

@@ -14,17 +14,17 @@ import logging
 import sys
 from typing import List, Optional, Sequence
 
-from .. import __version__
 from ..accum.modes import resolve_mode
 from ..errors import PatchError, QuietUsageError, StartFailed, StepError, UsageError
-from ..openclip import PROG  # the name its one-line messages begin with
 from ..ranks import process_rank
+from ..version import __version__
 from . import cmdline, preflight
 from .patch import TARGET_NAME, describe, gate, import_target, is_ours, patched
 from .selfcheck import check_run, enabled, record_unused
 from .startup import StartWatch
 
-USAGE_PROG = "python -m naflex_accum.openclip"  # the name --help shows
+PROG = "naflex_accum.openclip"  # python -m PROG runs main(); the name its one-line messages begin with
+USAGE_PROG = f"python -m {PROG}"  # the name --help shows
 UPSTREAM_MAIN = "open_clip_train.main"
 RECORD_KEY = "naflex_accum"  # the params.txt entry (an attribute of upstream's parsed args)
 

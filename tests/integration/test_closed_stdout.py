@@ -13,8 +13,8 @@ from longrun_common import SUBPROCESS_ENV
 
 from naflex_accum.data import write_demo_data
 from naflex_accum.models import create_model
-from naflex_accum.train.checkpoint import save_checkpoint
-from naflex_accum.train.resume import epoch_payload
+from naflex_accum.train.kept.checkpoint import save_checkpoint
+from naflex_accum.train.kept.resume import epoch_payload
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("naflex-accum")
 

@@ -91,7 +91,7 @@ def test_compiled_accumulation_equals_a_compiled_full_batch_backward_with_the_sa
     from naflex_accum.accum.scales import window_loss_scale
     from naflex_accum.models import create_model
     from naflex_accum.tasks import create_task
-    from naflex_accum.train.compile import compile_model
+    from naflex_accum.train.model.compile import compile_model
     from naflex_accum.upstream.audit import accumulated_grads, compare, full_batch_grads, random_window
 
     torch._dynamo.reset()

@@ -9,8 +9,8 @@ from longrun_common import assert_identical, reference, run_argv, signal_at, tra
 from unit.train.test_checkpoint import flip_values
 
 from naflex_accum.cli import main as cli_main
-from naflex_accum.train.checkpoint import newest_loadable
-from naflex_accum.train.preempt import EXIT_STOPPED
+from naflex_accum.train.kept.checkpoint import newest_loadable
+from naflex_accum.train.ending.preempt import EXIT_STOPPED
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_step_checkpoints_retention_and_exact_resume(setup, tmp_path):
 
 
 def test_resume_latest_skips_damaged_files_and_removes_stale_temps(setup, tmp_path, capsys):
-    from naflex_accum.train.logs import setup_logging
+    from naflex_accum.train.output.logs import setup_logging
 
     shards, model, _ = setup
     train_in_process(run_argv(shards, model, tmp_path, "dmg", "--save-every-n-steps", "2", "--keep-last", "3",

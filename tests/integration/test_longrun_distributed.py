@@ -11,7 +11,7 @@ from longrun_common import SUBPROCESS_ENV, reference, run_argv
 
 TESTS = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-LOOP_MODULES = ("naflex_accum.train.loop", "naflex_accum.train.monitor", "naflex_accum.train.preempt")
+LOOP_MODULES = ("naflex_accum.train.loop", "naflex_accum.train.monitor", "naflex_accum.train.ending.preempt")
 
 
 def run_ranks(argv, events_dir: Path, **env):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from longrun_common import SUBPROCESS_ENV, assert_identical, reference, run_argv, train_in_process, trainer_cmd, weights
 
-from naflex_accum.train.preempt import EXIT_STOPPED
+from naflex_accum.train.ending.preempt import EXIT_STOPPED
 
 SEED = int(os.environ.get("NAFLEX_FAULT_SEED", time.time_ns() % 10_000))
 
@@ -169,7 +169,7 @@ def test_a_signal_after_the_run_has_saved_does_not_kill_the_process():
     code = ("import os, signal, sys\n"
             "from pathlib import Path\n"
             "from types import SimpleNamespace\n"
-            "from naflex_accum.train import preempt\n"
+            "from naflex_accum.train.ending import preempt\n"
             "world = SimpleNamespace(is_master=True)\n"
             "stop = preempt.StopRequest(Path('STOP'), world, ends_process=sys.argv[1] == 'entry')\n"
             "stop.close()\n"

@@ -8,8 +8,8 @@ from unit.train.test_zeroshot import eval_args, tiny_task  # noqa: F401 (fixture
 
 from naflex_accum.data import labelled
 from naflex_accum.errors import UsageError
-from naflex_accum.train import zeroshot
-from naflex_accum.train.distributed import World
+from naflex_accum.train.eval import zeroshot
+from naflex_accum.train.ending.distributed import World
 
 
 def imagenet_folder(root, names, filled):

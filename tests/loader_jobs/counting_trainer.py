@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from naflex_accum.testing.counted_step import CountedStep
-from naflex_accum.train import fsdp, main
+from naflex_accum.train import main
+from naflex_accum.train.model import fsdp
 
 torch.set_num_threads(1)
 counts = {"reduce_scatters": 0, "steps": 0, "units": 0}

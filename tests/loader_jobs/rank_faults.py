@@ -21,7 +21,8 @@ import torch
 
 from naflex_accum.data import fill, pipeline
 from naflex_accum.errors import UsageError
-from naflex_accum.train import main, saver
+from naflex_accum.train import main
+from naflex_accum.train.kept import saver
 from naflex_accum.testing.counted_step import CountedStep
 
 torch.set_num_threads(1)

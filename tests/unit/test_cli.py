@@ -7,7 +7,7 @@ import pytest
 
 from naflex_accum import cli
 from naflex_accum.train import main as train_main
-from naflex_accum.train.preempt import StopRequest
+from naflex_accum.train.ending.preempt import StopRequest
 
 
 @pytest.fixture

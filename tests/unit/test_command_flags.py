@@ -8,7 +8,7 @@ import pytest
 from naflex_accum import cli
 from naflex_accum.commands import demo, verify
 from naflex_accum.errors import UsageError
-from naflex_accum.train.params import build_parser, parse_args
+from naflex_accum.train.config.params import build_parser, parse_args
 
 BASE = ["--train-data", "x-{000000..000001}.tar"]
 PARSERS = {"train": build_parser, "verify": verify.build_parser, "demo": demo.build_parser}

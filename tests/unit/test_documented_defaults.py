@@ -8,7 +8,7 @@ import re
 import shlex
 from pathlib import Path
 
-from naflex_accum.train.params import build_parser
+from naflex_accum.train.config.params import build_parser
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 START, END = "<!-- defaults:start -->", "<!-- defaults:end -->"

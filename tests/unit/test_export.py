@@ -14,8 +14,8 @@ from naflex_accum import cli
 from naflex_accum.commands.export import export
 from naflex_accum.data.patches import collate_images, resize_for_seq
 from naflex_accum.models import create_model, register
-from naflex_accum.train.checkpoint import save_checkpoint
-from naflex_accum.train.resume import epoch_payload
+from naflex_accum.train.kept.checkpoint import save_checkpoint
+from naflex_accum.train.kept.resume import epoch_payload
 
 
 def run_folder(tmp_path, model, model_name="naflex-tiny", edit=dict, patch_sizes=None, schedule=None, recorded=None):

@@ -28,5 +28,5 @@ def test_slots_must_divide_between_the_ranks():
     assert check_slots(6, 3) == 6
     with pytest.raises(UsageError, match=r"--data-slots 4 is not a multiple of the world size 3"):
         check_slots(4, 3)
-    with pytest.raises(UsageError, match="--data-slots must be an integer >= 1"):
+    with pytest.raises(UsageError, match="--data-slots must be a positive integer, got 0"):
         check_slots(0, 1)

@@ -89,11 +89,11 @@ def test_resampled_loader_is_deterministic_and_honours_factors(shards, tmp_path)
     (dict(dataset_resampled=False, upsampling_factors=(1, 2)),
      r"--train-data-upsampling-factors needs --dataset-resampled"),
     (dict(dataset_resampled=True, upsampling_factors=(1,)),
-     r"--train-data-upsampling-factors has 1 values but --train-data has 2 source\(s\)"),
+     r"--train-data-upsampling-factors \(1,\) has 1 factors but --train-data has 2 '::'-joined sources"),
     (dict(dataset_resampled=True, upsampling_factors=(1, -1)), r"finite, >= 0, and not all 0"),
     (dict(dataset_resampled=True, upsampling_factors=(0, 0)), r"not all 0"),
     (dict(dataset_resampled=True, upsampling_factors=(1, float("nan"))), r"finite"),
-    (dict(dataset_resampled=True, upsampling_factors="1::x"), r"each factor must be a number"),
+    (dict(dataset_resampled=True, upsampling_factors="1::x"), r"give numbers joined by '::'"),
 ])
 def test_bad_upsampling_factors(shards, kw, match):
     paths = shard_paths(shards)

@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from naflex_accum.data import DataConfig
+from naflex_accum.data import DataConfig, check_data_config
 from naflex_accum.data.schedule import BatchSpec, Schedule
 from naflex_accum.errors import UsageError
 
@@ -92,7 +92,7 @@ def test_divisor_that_empties_a_batch_is_named():
 
 
 @pytest.mark.parametrize("probs,match", [
-    ((1, 1), r"--naflex-seq-len-probs has 2 values but --naflex-seq-lens has 3"),
+    ((1, 1), r"--naflex-seq-len-probs needs one weight per --naflex-seq-lens value \(3\); got 2"),
     ((0, 0, 0), r"--naflex-seq-len-probs .* non-negative with a sum above 0"),
     ((1, -1, 1), r"--naflex-seq-len-probs .* non-negative"),
     ((1, float("nan"), 1), r"--naflex-seq-len-probs"),
@@ -115,6 +115,6 @@ def test_bad_values(kw, match):
 
 def test_bad_epoch_targets():
     with pytest.raises(UsageError, match=r"--train-num-samples must be a positive integer"):
-        plan().num_batches_within(num_samples=0)
+        check_data_config(DataConfig(train_data="unused", num_samples=0))
     with pytest.raises(UsageError, match=r"--naflex-num-train-image-tokens must be a positive integer"):
-        plan().num_batches_within(num_image_tokens=-5)
+        check_data_config(DataConfig(train_data="unused", num_image_tokens=-5))

@@ -49,8 +49,8 @@ def test_each_shard_gets_its_sources_factor():
 
 
 @pytest.mark.parametrize("factors, resampled, words", [
-    ("1::1", False, "needs --dataset-resampled"), ("1", True, "has 1 values but --train-data has 2"),
-    ("1::x", True, "must be a number"), ("0::0", True, "not all 0"), ("1::-1", True, ">= 0"),
+    ("1::1", False, "needs --dataset-resampled"), ("1", True, "has 1 factors but --train-data has 2"),
+    ("1::x", True, "give numbers joined by '::'"), ("0::0", True, "not all 0"), ("1::-1", True, ">= 0"),
     ("1::nan", True, "finite"),
 ])
 def test_bad_factors_are_one_line(factors, resampled, words):

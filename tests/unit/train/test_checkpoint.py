@@ -1,4 +1,4 @@
-"""train/checkpoint.py, train/lineage.py: safe reading, damage named by the zip's CRC-32s, branches of a rolled-back
+"""train/kept/checkpoint.py, train/kept/lineage.py: safe reading, damage named by the zip's CRC-32s, branches of a rolled-back
 run."""
 
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from naflex_accum.errors import UsageError
-from naflex_accum.train.checkpoint import load_payload, newest_loadable
+from naflex_accum.train.kept.checkpoint import load_payload, newest_loadable
 
 
 def test_load_payload_refuses_code_and_garbage(tmp_path):
@@ -27,7 +27,7 @@ def test_load_payload_refuses_code_and_garbage(tmp_path):
 
 
 def test_branches_never_overwrite_an_abandoned_folder(tmp_path):
-    from naflex_accum.train.lineage import start_branch
+    from naflex_accum.train.kept.lineage import start_branch
 
     ckpts = tmp_path / "checkpoints"
     (ckpts / "abandoned-1").mkdir(parents=True)
@@ -54,7 +54,7 @@ def test_branches_never_overwrite_an_abandoned_folder(tmp_path):
 def test_a_branch_from_another_file_system_copies_the_checkpoint_in(tmp_path, monkeypatch):
     import errno
 
-    from naflex_accum.train import lineage
+    from naflex_accum.train.kept import lineage
 
     def cross_device(src, dst):
         raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
@@ -92,7 +92,7 @@ def _old_checksum(algorithm="crc32-v1", parts=None) -> dict:
                          ids=["none", "old", "old-list", "old-other-version"])
 def test_checkpoints_with_or_without_the_old_checksum_load_as_their_state(tmp_path, entry):
     """A file with the checksum entry earlier versions wrote loads; the entry is not state (never checked, dropped)."""
-    from naflex_accum.train.checkpoint import load_checkpoint
+    from naflex_accum.train.kept.checkpoint import load_checkpoint
 
     state = {"epoch": 1, "state_dict": {"w": torch.ones(2)}, "optimizer": {}}
     torch.save({**state, **entry}, tmp_path / "old.pt")
@@ -105,7 +105,7 @@ def test_checkpoints_with_or_without_the_old_checksum_load_as_their_state(tmp_pa
 def test_weights_saved_through_a_compile_or_ddp_wrapper_fit_on_resume():
     """Checkpoints whose keys carry torch.compile's ``_orig_mod.`` (written before the trainer compiled in place)
     or DDP's ``module.`` fit the model they were trained as."""
-    from naflex_accum.train.resume import check_fits
+    from naflex_accum.train.kept.resume import check_fits
 
     model = torch.nn.Linear(2, 3)
     for prefix in ("_orig_mod.", "module.", "module._orig_mod.", "_orig_mod.module."):
@@ -158,7 +158,7 @@ def _each_byte_flipped(path):
 def test_no_flipped_bit_loads_other_numbers_or_reads_as_code(tmp_path, old):
     """Every byte of a checkpoint (ours, or one with the old checksum entry), one bit flipped: the same payload, or
     one line that is not a refusal of code."""
-    from naflex_accum.train.checkpoint import save_checkpoint
+    from naflex_accum.train.kept.checkpoint import save_checkpoint
 
     path = tmp_path / "epoch_3.pt"
     save_checkpoint(path, {**_payload(), **(_old_checksum() if old else {})})
@@ -174,7 +174,7 @@ def test_no_flipped_bit_loads_other_numbers_or_reads_as_code(tmp_path, old):
 
 def test_a_flipped_bit_in_any_tensor_is_named_as_damage(tmp_path):
     """Each tensor's bytes are a zip member whose CRC-32 is checked on every full read (bf16 ones too)."""
-    from naflex_accum.train.checkpoint import save_checkpoint
+    from naflex_accum.train.kept.checkpoint import save_checkpoint
 
     for key in ("w", "b"):
         path = tmp_path / f"{key}.pt"
@@ -201,7 +201,7 @@ def test_a_flipped_pickle_byte_is_named_as_damage(tmp_path):
 
 
 def test_a_truncated_checkpoint_is_named_incomplete_at_every_length(tmp_path):
-    from naflex_accum.train.checkpoint import save_checkpoint
+    from naflex_accum.train.kept.checkpoint import save_checkpoint
 
     save_checkpoint(tmp_path / "epoch_3.pt", _payload())
     raw = (tmp_path / "epoch_3.pt").read_bytes()
@@ -249,7 +249,7 @@ def test_what_is_not_a_file_says_what_it_is(tmp_path):
 
 
 def test_a_pickle_renamed_in_the_zip_directory_is_still_checked(tmp_path):
-    from naflex_accum.train.checkpoint import save_checkpoint
+    from naflex_accum.train.kept.checkpoint import save_checkpoint
 
     save_checkpoint(tmp_path / "epoch_3.pt", _payload())
     raw = bytearray((tmp_path / "epoch_3.pt").read_bytes())
@@ -264,7 +264,7 @@ def test_a_pickle_renamed_in_the_zip_directory_is_still_checked(tmp_path):
 
 
 def test_latest_skips_a_checkpoint_whose_counters_are_not_numbers(tmp_path, caplog):
-    from naflex_accum.train.checkpoint import save_checkpoint
+    from naflex_accum.train.kept.checkpoint import save_checkpoint
 
     save_checkpoint(tmp_path / "epoch_1.pt", {**_payload(), "epoch": 1, "global_step": 4})
     torch.save({**_payload(), "epoch": None}, tmp_path / "epoch_2.pt")
@@ -277,7 +277,7 @@ def test_latest_skips_a_checkpoint_whose_counters_are_not_numbers(tmp_path, capl
 
 def test_a_ctrl_c_inside_a_checkpoint_write_stays_a_keyboard_interrupt(tmp_path, monkeypatch):
     """torch's zip writer would report it as ``unexpected pos``; the file before stays, no temporary is left."""
-    from naflex_accum.train import checkpoint
+    from naflex_accum.train.kept import checkpoint
 
     path = tmp_path / "epoch_latest.pt"
     checkpoint.save_checkpoint(path, _payload())

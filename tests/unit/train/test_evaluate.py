@@ -9,10 +9,10 @@ from open_clip.tokenizer import SimpleTokenizer
 from naflex_accum.data.decode import decode_for_seq
 from naflex_accum.data.patches import collate_images
 from naflex_accum.data.samples import tar_members
-from naflex_accum.train.distributed import World
-from naflex_accum.train.evaluate import evaluate, retrieval_metrics
+from naflex_accum.train.ending.distributed import World
+from naflex_accum.train.eval.evaluate import evaluate, retrieval_metrics
 from naflex_accum.train.main import build_data, build_task
-from naflex_accum.train.params import parse_args
+from naflex_accum.train.config.params import parse_args
 
 
 @pytest.fixture(scope="module")

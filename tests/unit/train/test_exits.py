@@ -1,12 +1,12 @@
-"""train.exits: one exit status per way a run ends; transient() says which failures are exit 74."""
+"""train.ending.exits: one exit status per way a run ends; transient() says which failures are exit 74."""
 import errno
 
 import pytest
 
 from naflex_accum.data.samples import ShardReadError
 from naflex_accum.errors import TransientError, UsageError, WriteError
-from naflex_accum.train.exits import EXIT_CODES, EXIT_LOADER, EXIT_NONFINITE, transient
-from naflex_accum.train.preempt import EXIT_STOPPED
+from naflex_accum.train.ending.exits import EXIT_CODES, EXIT_LOADER, EXIT_NONFINITE, transient
+from naflex_accum.train.ending.preempt import EXIT_STOPPED
 
 
 def test_the_statuses_are_the_documented_ones():

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from naflex_accum.errors import UsageError
-from naflex_accum.train.distributed import World
-from naflex_accum.train.params import parse_args
+from naflex_accum.train.ending.distributed import World
+from naflex_accum.train.config.params import parse_args
 
 BASE = ["--train-data", "x.tar", "--train-num-samples", "8", "--device", "cpu"]
 
@@ -176,7 +176,7 @@ def test_accumulation_stays_exact_for_the_trainable_parameters(mode, loss, locks
     """Raw gradients of the trainable parameters: accumulated over a split window == one full-batch backward."""
     from naflex_accum.accum.modes import get_step
     from naflex_accum.tasks import unwrap
-    from naflex_accum.train.finetune import lock_image_tower, lock_text_tower
+    from naflex_accum.train.model.finetune import lock_image_tower, lock_text_tower
     from naflex_accum.upstream.audit import audit_case, default_task_factory
 
     def make_task(loss_name, stochastic):
@@ -226,7 +226,7 @@ def test_sampling_flags_reach_the_data_config(shards):
     args = parse_args([*BASE, "--train-num-samples", "64", "--train-data", two, "--workers", "0",
                        "--dataset-resampled", "--train-data-upsampling-factors", "1::2.5"])
     loader, _ = build_data(args, World(), build_model(), torch.device("cpu"))
-    assert loader.cfg.dataset_resampled is True and list(loader.cfg.upsampling_factors) == [1.0, 2.5]
+    assert loader.cfg.dataset_resampled is True and loader.index.weights == [1.0, 2.5]  # one shard per source
     args = parse_args([*BASE, "--train-num-samples", "64", "--train-data", shards.train, "--workers", "0"])
     # resampling is off by default, as in open_clip
     loader, _ = build_data(args, World(), build_model(), torch.device("cpu"))

@@ -158,7 +158,7 @@ def test_stop_file_is_cleared_on_start(shards, tmp_path):
     """A STOP file older than the launch (here, this process's start) is a request of an earlier start."""
     import os
 
-    from naflex_accum.train.preempt import launch_time
+    from naflex_accum.train.ending.preempt import launch_time
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "STOP").write_text("")

@@ -10,7 +10,7 @@ import pytest
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
 def test_dist_timeout_must_be_seconds_above_0(value):
     from naflex_accum.errors import UsageError
-    from naflex_accum.train.params import parse_args
+    from naflex_accum.train.config.params import parse_args
 
     with pytest.raises(UsageError, match=r"--dist-timeout must be a number of seconds > 0"):
         parse_args(["--train-data", "x.tar", "--dist-timeout", value])

@@ -1,10 +1,10 @@
-"""train.report: --report-to takes open_clip's values; anything else, or wandb without the package, is one line."""
+"""train.output.report: --report-to takes open_clip's values; anything else, or wandb without the package, is one line."""
 import builtins
 
 import pytest
 
 from naflex_accum.errors import UsageError
-from naflex_accum.train.report import check_wandb, run_id, sinks
+from naflex_accum.train.output.report import check_wandb, run_id, sinks
 
 
 @pytest.mark.parametrize("value, expected", [

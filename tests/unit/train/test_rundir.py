@@ -1,4 +1,4 @@
-"""train.rundir: a run folder is claimed, created and (after a refused start) removed by its own rules;
+"""train.kept.rundir: a run folder is claimed, created and (after a refused start) removed by its own rules;
 params.txt is never overwritten; stale temporary files go; --resume latest never restarts an abandoned run."""
 import argparse
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from naflex_accum.errors import UsageError
-from naflex_accum.train.distributed import World
-from naflex_accum.train.logs import setup_logging
-from naflex_accum.train.rundir import RunPaths, claim_run, create_run_folder, default_name
+from naflex_accum.train.ending.distributed import World
+from naflex_accum.train.output.logs import setup_logging
+from naflex_accum.train.kept.rundir import RunPaths, claim_run, create_run_folder, default_name
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""train.saver: which checkpoint files an epoch or a step writes, which retention deletes, and none written
+"""train.kept.saver: which checkpoint files an epoch or a step writes, which retention deletes, and none written
 from non-finite weights."""
 import argparse
 from types import SimpleNamespace
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from naflex_accum.train import saver
-from naflex_accum.train.distributed import World
-from naflex_accum.train.rundir import RunPaths
+from naflex_accum.train.kept import saver
+from naflex_accum.train.ending.distributed import World
+from naflex_accum.train.kept.rundir import RunPaths
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ def exit_2_one_line(capsys, argv, *needles):
 
 
 def test_preset_values_are_parsed_like_flags(tmp_path):
-    from naflex_accum.train.params import parse_args
+    from naflex_accum.train.config.params import parse_args
 
     (tmp_path / "p.yaml").write_text("precision: amp_bfloat16\nnaflex-seq-lens: 16\nlogs-dir: /x\nsiglip: false\n"
                                      "grad-clip-norm: 1\n")
@@ -35,9 +35,25 @@ def test_preset_values_are_parsed_like_flags(tmp_path):
     assert isinstance(args.grad_clip_norm, float)
 
 
+@pytest.mark.parametrize("flags,needle", [
+    (["--naflex-seq-len-probs", "1", "-1", "1"], "--naflex-seq-len-probs [1.0, -1.0, 1.0] must be non-negative"),
+    (["--naflex-seq-lens", "64", "--naflex-max-tokens-per-batch", "256"], "--naflex-seq-lens 64 with "
+     "--naflex-max-tokens-per-batch 256 and --naflex-batch-divisor 8 gives a batch size of 0"),
+])
+def test_data_settings_are_refused_as_they_are_parsed(flags, needle):
+    """data/'s one check of the data flags runs on the command line, before a model or a folder is made (the
+    shards are not read: they need not exist)."""
+    from naflex_accum.errors import UsageError
+    from naflex_accum.train.config.params import parse_args
+
+    with pytest.raises(UsageError) as info:
+        parse_args(["--train-data", "absent.tar", *flags])
+    assert needle in str(info.value)
+
+
 def test_siglip_follows_the_model_config(tmp_path):
     from naflex_accum.models import load_config
-    from naflex_accum.train.params import parse_args
+    from naflex_accum.train.config.params import parse_args
 
     config = load_config("naflex-tiny")
     config.update(init_logit_bias=-10.0)

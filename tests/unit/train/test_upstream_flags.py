@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from naflex_accum.errors import UsageError
-from naflex_accum.train import upstream_flags
-from naflex_accum.train.params import build_parser, parse_args
-from naflex_accum.train.upstream_flags import FLAGS
+from naflex_accum.train.config import upstream_flags
+from naflex_accum.train.config.params import build_parser, parse_args
+from naflex_accum.train.config.upstream_flags import FLAGS
 
 ROOT = Path(__file__).resolve().parents[3]
 SNAPSHOT = ROOT.parent / "shared" / "upstream" / "open_clip-89fb801.tar.gz"
@@ -94,5 +94,5 @@ def test_docs_table_is_generated_from_the_module():
     assert start in text and end in text
     table = text.split(start, 1)[1].split(end, 1)[0].strip()
     assert table == upstream_flags.markdown_table(), \
-        "docs/training.md's flag table is stale: paste the output of `python -m naflex_accum.train.upstream_flags` " \
+        "docs/training.md's flag table is stale: paste the output of `python -m naflex_accum.train.config.upstream_flags` " \
         "between its markers"

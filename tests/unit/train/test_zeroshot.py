@@ -11,8 +11,8 @@ import torch
 
 from naflex_accum.data import labelled
 from naflex_accum.errors import UsageError
-from naflex_accum.train import zeroshot
-from naflex_accum.train.distributed import World
+from naflex_accum.train.eval import zeroshot
+from naflex_accum.train.ending.distributed import World
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_due_follows_upstream():
     (["--val-frequency", "-2"], "--val-frequency must be an integer >= 0"),
 ])
 def test_bad_zero_shot_flags(extra, message):
-    from naflex_accum.train.params import parse_args
+    from naflex_accum.train.config.params import parse_args
 
     with pytest.raises(UsageError, match=message):
         parse_args(["--train-data", "x.tar", *extra])

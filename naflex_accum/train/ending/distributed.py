@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import UsageError
-from ..ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS
-from . import storehost
-from .peers import COLLECTIVE_MARGIN, DEFAULT_TIMEOUT, Peers, channel_prefix
+from ...errors import UsageError
+from ...ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS
+from .. import storehost
+from ..peers import COLLECTIVE_MARGIN, DEFAULT_TIMEOUT, Peers, channel_prefix
 
 # The first variable found wins, as open_clip's world_info_from_env; not that function itself, because it
 # turns a half-set environment into a silent single-process run, which is refused here.

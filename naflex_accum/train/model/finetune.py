@@ -10,19 +10,18 @@ applied after ``--pretrained`` and so wins, as upstream.
 """
 import argparse
 import logging
-import math
 import os
-from dataclasses import fields
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from timm.models import clean_state_dict, group_parameters
 from timm.models.naflexvit import checkpoint_filter_fn
 
-from ..data.schedule import DataConfig
-from ..errors import UsageError, check_ints
-from . import upstream_flags, zeroshot
-from .checkpoint import load_payload
+from ...data import DataConfig
+from ...errors import UsageError, check_ints
+from ..config import upstream_flags
+from ..eval import zeroshot
+from ..kept.checkpoint import load_payload
 
 log = logging.getLogger(__name__)
 SHOWN_KEYS = 3  # keys named in a mismatch message, per kind
@@ -53,8 +52,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--use-naflex", action="store_true", help="no effect: NaFlex batching is always on here")
     f.add_argument("--force-naflex-vision", action="store_true", help="no effect: the image tower is a NaFlexVit")
     d = parser.add_argument_group("data sampling (open_clip's flags)")
-    d.add_argument("--dataset-resampled", action=argparse.BooleanOptionalAction, default=_default_resampled(),
-                   help="draw training shards with replacement")
+    d.add_argument("--dataset-resampled", action=argparse.BooleanOptionalAction,
+                   default=DataConfig.dataset_resampled, help="draw training shards with replacement")
     d.add_argument("--train-data-upsampling-factors", default=None, metavar="F1::F2",
                    help="with --dataset-resampled: relative weight of each '::'-joined --train-data source, "
                         "e.g. 1::2")
@@ -64,34 +63,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                      "docs/training.md).")
 
 
-def _default_resampled() -> bool:
-    return next(f.default for f in fields(DataConfig) if f.name == "dataset_resampled")
-
-
-def parse_upsampling_factors(args) -> Optional[List[float]]:
-    spec = args.train_data_upsampling_factors
-    if spec is None:
-        return None
-    flag = "--train-data-upsampling-factors"
-    if not args.dataset_resampled:
-        raise UsageError(f"{flag} needs --dataset-resampled (sampling shards with replacement), as in open_clip")
-    try:
-        factors = [float(x) for x in str(spec).split("::")]
-    except ValueError:
-        raise UsageError(f"{flag} {spec!r}: give numbers joined by '::', e.g. 1::2::0.5") from None
-    sources = len(str(args.train_data).split("::"))
-    if len(factors) != sources:
-        raise UsageError(f"{flag} {spec!r} has {len(factors)} factors but --train-data has {sources} '::'-joined "
-                         f"sources; give one factor per source")
-    if any(not math.isfinite(x) or x < 0 for x in factors) or sum(factors) <= 0:
-        raise UsageError(f"{flag} {spec!r}: factors must be finite, >= 0, and not all 0")
-    return factors
-
-
 def validate(args) -> None:
     """Check the flags added here (after the trainer's own checks)."""
     upstream_flags.check_namespace(args)
-    parse_upsampling_factors(args)
     if args.force_patch_dropout is not None and not 0.0 <= args.force_patch_dropout < 1.0:
         raise UsageError(f"--force-patch-dropout must be in [0, 1); got {args.force_patch_dropout}")
     check_ints(args, 0, "lock_image_unlocked_groups", "lock_text_unlocked_layers", "zeroshot_frequency",
@@ -104,11 +78,6 @@ def validate(args) -> None:
         raise UsageError("--lock-image and --lock-text with no unlocked groups leave only logit_scale to train; "
                          "unlock some layers (--lock-image-unlocked-groups/--lock-text-unlocked-layers)")
     zeroshot.validate(args)
-
-
-def data_options(args) -> Dict:
-    """The DataConfig fields these flags set."""
-    return {"dataset_resampled": args.dataset_resampled, "upsampling_factors": parse_upsampling_factors(args)}
 
 
 # ---- pretrained weights ---------------------------------------------------------------------------------------

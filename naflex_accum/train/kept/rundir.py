@@ -29,10 +29,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
-from ..errors import QuietUsageError, UsageError, WriteError
+from ...errors import QuietUsageError, UsageError, WriteError
+from ..output.logs import setup_logging, write_params
 from .checkpoint import MOST_RECENT, load_checkpoint, newest_loadable, position, remove_stale_temps
 from .lineage import abandoned_folders, start_branch
-from .logs import setup_logging, write_params
 
 log = logging.getLogger(__name__)
 

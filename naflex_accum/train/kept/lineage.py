@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ..errors import UsageError, WriteError
+from ...errors import UsageError, WriteError
 from .checkpoint import checkpoint_files, file_position, fsync_dir
 
 log = logging.getLogger(__name__)

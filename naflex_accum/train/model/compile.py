@@ -21,7 +21,7 @@ import torch
 import torch._dynamo.config as dynamo_config  # optimize_ddp has no public form (pyproject.toml)
 import torch._inductor
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("model",)

@@ -25,15 +25,14 @@ import yaml
 from open_clip import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES, build_zero_shot_classifier
 from open_clip.tokenizer import SimpleTokenizer
 
-from ..data.labelled import SHOWN_PROBLEMS, FolderSource, LabelledBatches, Problems, ShardSource
-from ..data.patches import normalize_patches
-from ..data.shards import expand_urls
-from ..errors import UsageError
-from ..models import takes_flat_patches
-from ..tasks import unwrap
+from ...data import (SHOWN_PROBLEMS, FolderSource, LabelledBatches, Problems, ShardSource, expand_urls,
+                     normalize_patches)
+from ...errors import UsageError
+from ...models import takes_flat_patches
+from ...tasks import unwrap
 
 log = logging.getLogger(__name__)
-CLASS_LIST_DIR = Path(__file__).resolve().parent.parent / "class_lists"
+CLASS_LIST_DIR = Path(__file__).resolve().parents[2] / "class_lists"
 
 
 def due(epoch: int, frequency: int, epochs: int) -> bool:

@@ -27,7 +27,7 @@ from open_clip_train.train import AverageMeter
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from ..errors import WriteError
+from ...errors import WriteError
 
 LOGGER_NAME = "naflex_accum"
 

@@ -9,7 +9,8 @@ precision names mean what they mean upstream or are refused. Sequence lengths
 are each given once and kept in ascending order (with their weights), so one set
 of lengths is one run whatever order it was typed in; ``--resume latest`` names
 its run folder (``--name``). ``--help`` shows every flag's default once
-(``helptext``).
+(``helptext``). ``data_config`` is the one mapping of the flags to a
+``DataConfig``; data/ checks those flags (``check_data_config``), each once.
 """
 import argparse
 import math
@@ -18,16 +19,17 @@ from typing import List, Optional
 
 import yaml
 
-from ..accum.modes import ACCUM_MODES, DEFAULT_MODE
-from ..accum.scales import LOSS_SCALES, check_options
-from ..errors import OneLineParser, UsageError, check_int, check_ints
-from ..helptext import DefaultsFormatter
-from ..models import load_config
-from . import finetune
-from .peers import COLLECTIVE_MARGIN, DEFAULT_TIMEOUT
-from .report import check_wandb
+from ...accum.modes import ACCUM_MODES, DEFAULT_MODE
+from ...accum.scales import LOSS_SCALES, check_options
+from ...data import DataConfig, check_data_config
+from ...errors import OneLineParser, UsageError, check_ints
+from ...helptext import DefaultsFormatter
+from ...models import load_config
+from ..model import finetune
+from ..output.report import check_wandb
+from ..peers import COLLECTIVE_MARGIN, DEFAULT_TIMEOUT
 
-RUN_CONFIG_DIR = Path(__file__).resolve().parent.parent / "run_configs"
+RUN_CONFIG_DIR = Path(__file__).resolve().parents[2] / "run_configs"
 SUPPORTED_PRECISIONS = ("fp32", "amp", "amp_bf16", "amp_bfloat16")
 # open_clip's names that cast the weights themselves to 16 bits (no fp32 master weights).
 CAST_PRECISIONS = ("bf16", "fp16", "pure_bf16", "pure_fp16")
@@ -312,6 +314,19 @@ def _check_optimizer(args) -> None:
                          f"got {args.grad_clip_norm}")
 
 
+def data_config(args, rank: int = 0, world_size: int = 1) -> DataConfig:
+    """The one mapping of the data flags to the ``DataConfig`` of ``rank`` of ``world_size`` (no shard index yet)."""
+    return DataConfig(
+        train_data=args.train_data, seq_lens=tuple(args.naflex_seq_lens),
+        seq_len_probs=tuple(args.naflex_seq_len_probs) if args.naflex_seq_len_probs else None,
+        max_tokens_per_batch=args.naflex_max_tokens_per_batch, batch_divisor=args.naflex_batch_divisor,
+        patch_sizes=tuple(args.naflex_patch_sizes), num_samples=args.train_num_samples,
+        num_image_tokens=args.naflex_num_train_image_tokens, accum_freq=args.accum_freq, seed=args.seed,
+        workers=args.workers, rank=rank, world_size=world_size, timeout=args.data_timeout, slots=args.data_slots,
+        image_decode=args.image_decode, sample_shuffle_size=args.sample_shuffle_size,
+        dataset_resampled=args.dataset_resampled, upsampling_factors=args.train_data_upsampling_factors)
+
+
 def validate(args) -> None:
     args.notes = []  # one-line remarks about how flags were taken, for the run's log (and params.txt)
     if not args.train_data:
@@ -319,13 +334,9 @@ def validate(args) -> None:
     if args.resume == "latest" and args.name is None:
         raise UsageError("--resume latest needs --name: without it each start makes a new dated run folder, which "
                          "no later start could find; add --name NAME (the folder under --logs to resume)")
-    check_ints(args, 1, "accum_freq", "epochs", "naflex_max_tokens_per_batch", "naflex_batch_divisor",
-               "train_num_samples", "naflex_num_train_image_tokens", "val_batch_size", "log_every_n_steps",
-               "val_seq_len", "check_every_n_steps", "data_slots")
-    check_ints(args, 0, "workers", "sample_shuffle_size", "warmup", "save_frequency", "save_every_n_steps", "keep_last")
+    check_ints(args, 1, "epochs", "val_batch_size", "log_every_n_steps", "val_seq_len", "check_every_n_steps")
+    check_ints(args, 0, "warmup", "save_frequency", "save_every_n_steps", "keep_last")
     _check_optimizer(args)
-    if not (args.data_timeout >= 0 and args.data_timeout != float("inf")):
-        raise UsageError(f"--data-timeout must be a number of seconds >= 0 (0: no limit); got {args.data_timeout}")
     if not (args.dist_timeout > 0 and args.dist_timeout != float("inf")):
         raise UsageError(f"--dist-timeout must be a number of seconds > 0; got {args.dist_timeout}")
     if args.save_every_n_steps and args.keep_last < 1:
@@ -337,17 +348,7 @@ def validate(args) -> None:
         check_options(args.naflex_loss_scale, args.batch_size, naflex=True)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    for flag, values in (("--naflex-seq-lens", args.naflex_seq_lens),
-                         ("--naflex-patch-sizes", args.naflex_patch_sizes)):
-        for value in values:
-            check_int(value, flag)
-    too_long = [s for s in args.naflex_seq_lens if s > args.naflex_max_tokens_per_batch]
-    if too_long:
-        raise UsageError(f"--naflex-seq-lens {too_long} exceed --naflex-max-tokens-per-batch "
-                         f"{args.naflex_max_tokens_per_batch}: no batch of one image fits the budget")
-    if args.naflex_seq_len_probs is not None and len(args.naflex_seq_len_probs) != len(args.naflex_seq_lens):
-        raise UsageError(f"--naflex-seq-len-probs needs one weight per --naflex-seq-lens value "
-                         f"({len(args.naflex_seq_lens)}); got {len(args.naflex_seq_len_probs)}")
+    check_data_config(data_config(args))  # the data flags: data/ checks them, each once
     _order_seq_lens(args)
     check_wandb(args.report_to)  # also refuses values that name no sink
     if args.fsdp and args.torchcompile:

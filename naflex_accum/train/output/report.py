@@ -12,7 +12,7 @@ at the same step (``logs.RunLogger``).
 import re
 from typing import FrozenSet, Optional
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 SINKS = ("tensorboard", "wandb")
 INSTALL = "pip install 'naflex-accum[wandb]'"

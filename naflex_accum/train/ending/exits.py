@@ -9,9 +9,9 @@ would not count), the run folder's storage gone (not full or read-only: those ar
 """
 from typing import Optional
 
-from ..data.workers import failure as loader_failure
-from ..errors import TransientError, WriteError, storage_gone
-from ..interrupt import EXIT_INTERRUPTED
+from ...data import loader_failure
+from ...errors import TransientError, WriteError, storage_gone
+from ...interrupt import EXIT_INTERRUPTED
 from .preempt import EXIT_STOPPED
 
 EXIT_NONFINITE = 3

@@ -33,8 +33,8 @@ from typing import List, Optional, Set, Tuple
 import torch
 from safetensors.torch import load_file
 
-from ..data.workers import held as held_worker_failures
-from ..errors import UsageError, WriteError
+from ...data import held_worker_failures
+from ...errors import UsageError, WriteError
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from open_clip_train.train import get_clip_metrics
 
-from ..tasks import unwrap
+from ...tasks import unwrap
 
 
 def retrieval_metrics(image_features, text_features, logit_scale) -> Dict[str, float]:

@@ -12,7 +12,7 @@ snapshot's parser, so neither can drift.
 import argparse
 from typing import Dict, NamedTuple, Tuple
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 
 class Flag(NamedTuple):

@@ -20,8 +20,8 @@ import logging
 from pathlib import Path
 from typing import List, Optional
 
+from ..monitor import host_read
 from .checkpoint import prune_step_checkpoints, remove_file, save_checkpoint
-from .monitor import host_read
 from .resume import epoch_payload, gather_rng_states, gather_states, mid_epoch_payload, weights_finite
 from .rundir import on_master
 

@@ -22,11 +22,11 @@ from typing import Optional
 import torch
 from timm.models import clean_state_dict
 
-from ..accum.rng import RngState
-from ..data.order import Segment, check_slots
-from ..errors import UsageError
-from . import fsdp
-from .finetune import mismatch
+from ...accum.rng import RngState
+from ...data import Segment, check_slots
+from ...errors import UsageError
+from ..model import fsdp
+from ..model.finetune import mismatch
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,2 @@
+"""The one ``__version__`` (pyproject.toml's), in a module of its own: any part names it without the package root."""
+__version__ = "0.1.0"
