@@ -116,7 +116,7 @@ def _record_exit(code: int) -> None:
     if not path:
         return
     tmp = f"{path}.{os.getpid()}"
-    try:  # every rank of a job writes the same class (train.peers); the last replace stands
+    try:  # every rank of a job writes the same class (train.liveness); the last replace stands
         with open(tmp, "w") as f:
             f.write(f"{code}\n{last_word()}\n" if code else f"{code}\n")
         os.replace(tmp, path)

@@ -12,5 +12,5 @@ through the accumulation step (``naflex_accum.accum``). Modules by concern:
   ``saver`` (when which checkpoint is written and kept), ``resume`` (state in and out), ``lineage``
   (branches after a rollback);
 - how it ends: ``preempt`` (stop requests), ``exits`` (exit statuses), ``distributed`` (process group),
-  ``peers``, ``channel``, ``watchdog`` and ``storehost`` (every rank heard, a frozen one found).
+  ``liveness`` (every rank heard: the first failure, a roll call, signals while blocked).
 """
