@@ -21,10 +21,11 @@ from ..errors import UsageError
 from ..ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS
 from .liveness import DEFAULT_TIMEOUT, Liveness, world_timeout
 
-# NCCL: a collective that times out ends the process (its CUDA work cannot go on) and the flight recorder
-# dumps what every rank's last collectives were (TORCH_NCCL_DEBUG_INFO_TEMP_FILE, /tmp/nccl_trace_rank_N)
-NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                 "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+# NCCL: a collective that times out ends the process (its CUDA work cannot go on), and the flight recorder
+# dumps every rank's last collectives (to TORCH_FR_DUMP_TEMP_FILE, default /tmp/nccl_trace_rank_N). Each is
+# set unless the user set it (under either of its names).
+NCCL_DEFAULTS = {("TORCH_NCCL_ASYNC_ERROR_HANDLING",): "3", ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+                 ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000"}
 
 # The first variable found wins, as open_clip's world_info_from_env; not that function itself, because it
 # turns a half-set environment into a silent single-process run, which is refused here.
@@ -239,8 +240,9 @@ def init_distributed(device_arg=None, env=None, world: Optional[World] = None) -
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world.distributed and not dist.is_initialized():
-        for var, value in NCCL_DEFAULTS.items():  # as torchtitan: a timeout ends the process, with a dump
-            os.environ.setdefault(var, value)
+        for names, value in NCCL_DEFAULTS.items() if device.type == "cuda" else ():  # as torchtitan
+            if not any(name in os.environ for name in names):
+                os.environ[names[0]] = value
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 store=dist.PrefixStore("default_pg", world.store), rank=world.rank,
                                 world_size=world.world_size, timeout=world_timeout(world.timeout))

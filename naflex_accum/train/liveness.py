@@ -62,7 +62,11 @@ class RankEnded(Exception):
 
 
 class Stuck(Exception):
-    """The job's store did not answer within ``ACK_WAIT``, or its host is gone."""
+    """The job's store did not answer within ``ACK_WAIT`` (``gone``: its host is gone)."""
+
+    def __init__(self, gone: bool = False):
+        super().__init__("the job's store is " + ("gone" if gone else "not answering"))
+        self.gone = gone
 
 
 @dataclass
@@ -138,11 +142,11 @@ class Liveness:
         """``fn()`` on the store; ``Stuck`` when its host is gone or it gives no answer within ``ACK_WAIT``."""
         try:
             if not self.link.recv(1):
-                raise Stuck()
+                raise Stuck(gone=True)
         except BlockingIOError:
             pass
         except OSError:
-            raise Stuck() from None
+            raise Stuck(gone=True) from None
         box = {}
 
         def call():
@@ -154,7 +158,7 @@ class Liveness:
         helper.start()
         helper.join(ACK_WAIT)
         if helper.is_alive() or isinstance(box.get("error"), dist.DistError):
-            raise Stuck()
+            raise Stuck(gone=not helper.is_alive())
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -206,8 +210,8 @@ class Liveness:
                 first = self.decide(Failure(0, 2, str(exc), text=str(exc)))
             elif self.decision is None:
                 first = self.decide(self.record(mine) if mine is not None else self.after_comm_error(exc))
-        except Stuck:
-            first = self.decide(mine or self.store_gone())
+        except Stuck as stuck:
+            first = self.decide(mine or self.store_gone(stuck))
         first = self.decision
         last_word(self.told(first))
         own = mine is not None and (first.rank == self.rank or (bool(mine.text) and mine.text == first.text))
@@ -251,15 +255,16 @@ class Liveness:
             line = f"rank {self.rank}: a collective failed while every rank is alive ({first_line(exc)}); {after}"
         return self.record(Failure(missing[0] if missing else self.rank, EXIT_LOADER, line, alive=not missing))
 
-    def store_gone(self) -> Failure:
-        """This rank's own account when the store is gone or stuck: its host (rank 0 under srun) is."""
+    def store_gone(self, stuck: Stuck) -> Failure:
+        """This rank's own account when the store is gone or stuck: so is its host (rank 0 under srun)."""
+        after, (host, port) = f"{self.context()} (exit {EXIT_LOADER})", self.address
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-            return Failure(0, EXIT_LOADER, f"rank 0 ended without a word or froze (the job's store it serves is gone "
-                           f"or does not answer); {self.context()} (exit {EXIT_LOADER})", alive=False)
-        host, port = self.address
+            return Failure(0, EXIT_LOADER, (f"rank 0 ended without a word (killed? the OOM killer sends SIGKILL)" if
+                           stuck.gone else f"rank 0 stopped answering: the job's store it serves gave no answer for "
+                           f"{ACK_WAIT:g} s (a stopped or frozen process)") + f"; {after}", alive=False)
         return Failure(self.rank, EXIT_LOADER, f"the job's store at {host}:{port} (torchrun's agent on rank 0's node) "
-                       f"closed or does not answer: the launcher or the job ended around this rank; {self.context()} "
-                       f"(exit {EXIT_LOADER})")
+                       f"{'closed' if stuck.gone else 'does not answer'}: the launcher or the job ended around this "
+                       f"rank; {after}")
 
     def announce(self, failure: Failure) -> None:
         with self.lock:
@@ -314,8 +319,8 @@ class Liveness:
                 self.answered = n
                 if first is None and caught:
                     first = self.signalled(caught[0])
-            except Stuck:
-                first = self.store_gone()
+            except Stuck as stuck:
+                first = self.store_gone(stuck)
             if first is not None and self.ending is None:
                 self.conclude(first)
 
