@@ -19,7 +19,10 @@ import torch.distributed as dist
 
 from ..errors import UsageError
 from ..ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS
-from .liveness import DEFAULT_TIMEOUT, Liveness, world_timeout
+from .liveness import Liveness
+
+DEFAULT_TIMEOUT = 600.0  # --dist-timeout's default (docs/distributed.md says why)
+LONG_TIMEOUT = 7200.0  # start-up to the first step's end, and rank 0's solo phases (or --dist-timeout, if longer)
 
 # NCCL: a collective that times out ends the process (its CUDA work cannot go on), and the flight recorder
 # dumps every rank's last collectives (to TORCH_FR_DUMP_TEMP_FILE, default /tmp/nccl_trace_rank_N). Each is
@@ -107,6 +110,11 @@ class World:
         both = torch.cat([t, -t])
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         return bool(torch.equal(both[: len(t)], -both[len(t):]))
+
+
+def world_timeout(timeout: float) -> timedelta:
+    """The process group's timeout until the first step has ended, and while rank 0 works alone."""
+    return timedelta(seconds=max(LONG_TIMEOUT, timeout))
 
 
 def _collective_device():

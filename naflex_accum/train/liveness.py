@@ -1,18 +1,15 @@
 """Every rank is heard: the first failure is recorded once in the job's store, and every rank ends with it.
 
-Invariants: how long a rank waits on its peers is torch's collective timeout (``World`` sets it per
-phase); gloo raises at once on a rank whose peer is gone, and after the timeout on one whose peer is
-frozen. The first failure any rank records (compare-and-set: one line naming the rank, its exit
-class) is the one every rank ends with; rank 0 prints it once, on stderr and in out.log (rank 1 when
-rank 0 is the rank that is gone; the failing rank itself when rank 0 does not say it has seen it
-within ``ACK_WAIT``). Which ranks are gone or frozen is asked, never watched: a roll call in the
-store, answered within a second by each rank's listener thread. The listener also ends its process
-with another rank's recorded failure when the main thread does not (blocked in a collective, busy),
-and sees SIGTERM and SIGUSR1 the moment they arrive: with a rank not answering nothing can be saved
-(74 at once); before the loop's ``StopRequest`` one ends the start-up (75). A store call never waits
-longer than ``ACK_WAIT`` (a frozen host never answers), and none is made to a host seen gone (its idle
-link closed): torch prints a C++ traceback for that. A rank that serves the store (rank 0 under srun)
-keeps it until every rank has done with it. One process has none of this and pays nothing for it.
+Invariants: a rank waits on its peers as long as torch's collective timeout (``World`` sets it per phase):
+gloo raises at once when a peer is gone, after the timeout when one is frozen. The first failure any
+rank records (compare-and-set: one line naming the rank, its exit class) is the one every rank ends
+with; rank 0 prints it once, on stderr and in out.log (rank 1 when rank 0 is gone; the failing rank
+when rank 0 does not say within ``ACK_WAIT`` it has seen it). Which ranks are gone or frozen is asked,
+not watched: a roll call, answered within a second by each rank's listener thread, which also ends
+its process with another rank's failure when the main thread does not (blocked, busy), and sees
+SIGTERM and SIGUSR1 at once: with a rank not answering nothing can be saved (74); before the loop's
+``StopRequest``, one ends the start-up (75). No store call waits past ``ACK_WAIT`` or goes to a host
+seen gone (torch would print a C++ traceback); rank 0 serving the store keeps it until all are done.
 """
 import json
 import logging
@@ -36,8 +33,6 @@ from .exits import EXIT_LOADER, transient
 from .logs import LOGGER_NAME, log_file_only
 from .preempt import EXIT_STOPPED, SIGNALS
 
-DEFAULT_TIMEOUT = 600.0  # --dist-timeout's default (docs/distributed.md says why)
-LONG_TIMEOUT = 7200.0  # start-up to the first step's end, and rank 0's solo phases (or --dist-timeout, if longer)
 ROLL_CALL = 8.0  # seconds a roll call waits for every rank's answer
 ACK_WAIT = 10.0  # the most a store call, or a wait for a rank to say it has seen the failure, takes
 TAKEOVER = 5.0  # seconds the main thread gets to end the process itself once the listener knows the failure
@@ -62,11 +57,13 @@ class RankEnded(Exception):
 
 
 class Stuck(Exception):
-    """The job's store did not answer within ``ACK_WAIT`` (``gone``: its host is gone)."""
+    """The job's store did not answer within ``ACK_WAIT``."""
+    gone = False
 
-    def __init__(self, gone: bool = False):
-        super().__init__("the job's store is " + ("gone" if gone else "not answering"))
-        self.gone = gone
+
+class StoreGone(Stuck):
+    """The job's store's host is gone (the idle link to it closed, or a call to it broke)."""
+    gone = True
 
 
 @dataclass
@@ -121,7 +118,8 @@ class Liveness:
         self.rank, self.world_size, self.address, self.timeout, self.prog = \
             world.rank, world.world_size, address, timeout, prog
         self.hosts_store = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
-        client = dist.TCPStore(*address, None, is_master=False, timeout=world_timeout(timeout), wait_for_workers=False)
+        client = dist.TCPStore(*address, None, is_master=False, timeout=timedelta(seconds=ACK_WAIT),
+                                wait_for_workers=False)
         self.store = dist.PrefixStore(f"naflex_accum/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
         self.link = socket.create_connection(address, timeout=5)  # reads end-of-file once the store's host is gone
         self.link.setblocking(False)
@@ -132,21 +130,18 @@ class Liveness:
         self.context: Callable[[], str] = lambda: "nothing was trained; run it again"
         self.flushers: List[Callable[[], None]] = []  # what to flush if the listener ends the process
         self.signals = Signals(ends_process)
-        _FORKING_RANK[0] = True
         self.thread = threading.Thread(target=self.run, name="naflex-accum-listener", daemon=True)
         self.thread.start()
-
-    # ---- the store, bounded ---------------------------------------------------------------------------------
 
     def ask(self, fn):
         """``fn()`` on the store; ``Stuck`` when its host is gone or it gives no answer within ``ACK_WAIT``."""
         try:
             if not self.link.recv(1):
-                raise Stuck(gone=True)
+                raise StoreGone()
         except BlockingIOError:
             pass
         except OSError:
-            raise Stuck(gone=True) from None
+            raise StoreGone() from None
         box = {}
 
         def call():
@@ -157,8 +152,10 @@ class Liveness:
         helper = threading.Thread(target=call, daemon=True)
         helper.start()
         helper.join(ACK_WAIT)
-        if helper.is_alive() or isinstance(box.get("error"), dist.DistError):
-            raise Stuck(gone=not helper.is_alive())
+        if helper.is_alive():
+            raise Stuck()
+        if isinstance(box.get("error"), dist.DistError):
+            raise StoreGone()
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -192,8 +189,6 @@ class Liveness:
                 return False
             time.sleep(0.1)
         return True
-
-    # ---- ending ----------------------------------------------------------------------------------------------
 
     def decide(self, failure: Failure) -> Failure:
         """``failure`` becomes this rank's decision unless there is one; the decision."""
@@ -248,11 +243,10 @@ class Liveness:
                     f"and a roll call {ROLL_CALL:g} s (a stopped or frozen process); {after}")
         elif missing:
             line = f"{ranks_text(missing)} ended without a word (killed? the OOM killer sends SIGKILL); {after}"
-        elif waited:
-            line = (f"rank {self.rank}: a collective waited --dist-timeout ({self.timeout:g} s) for a rank that is "
-                    f"alive but did not join it (stuck in I/O, or in a loader slower than --data-timeout); {after}")
         else:
-            line = f"rank {self.rank}: a collective failed while every rank is alive ({first_line(exc)}); {after}"
+            line = (f"rank {self.rank}: a collective " + (f"waited --dist-timeout ({self.timeout:g} s)" if waited else
+                    f"failed ({first_line(exc)})") + " while every rank answers a roll call (one stuck in I/O, or in a "
+                    f"loader slower than --data-timeout?); {after}")
         return self.record(Failure(missing[0] if missing else self.rank, EXIT_LOADER, line, alive=not missing))
 
     def store_gone(self, stuck: Stuck) -> Failure:
@@ -302,22 +296,17 @@ class Liveness:
                 except Stuck:
                     pass
         self.signals.restore(unread=not self.thread.is_alive())
-        _FORKING_RANK[0] = False
-
-    # ---- the listener thread ---------------------------------------------------------------------------------
 
     def run(self) -> None:
-        while not self.closed.is_set():
+        while not self.closed.is_set():  # roll calls are answered while the main thread ends too
             caught = self.signals.wait(1.0)
-            if self.closed.is_set() or self.ending is not None:
-                continue
             try:
                 first = self.first()
                 n = self.ask(lambda: self.store.add("roll", 0))
                 for k in range(self.answered + 1, n + 1):
                     self.ask(lambda: self.store.append(f"here/{k}", f"{self.rank},"))
                 self.answered = n
-                if first is None and caught:
+                if first is None and caught and self.ending is None:
                     first = self.signalled(caught[0])
             except Stuck as stuck:
                 first = self.store_gone(stuck)
@@ -349,37 +338,27 @@ class Liveness:
             end_process(failure.code, self.flushers)
 
 
-def world_timeout(timeout: float) -> timedelta:
-    """The process group's timeout until the first step has ended, and while rank 0 works alone."""
-    return timedelta(seconds=max(LONG_TIMEOUT, timeout))
-
-
 class Signals:
-    """SIGTERM and SIGUSR1 as the listener sees them: Python runs a handler only on the main thread between
-    bytecodes, never while it is blocked in a collective, but the C-level handler also writes the signal's
-    number to the wakeup fd, which the listener reads. Until the loop's ``StopRequest`` takes them over, the
-    handler here stands in for their default action, which would kill the process before it could say why."""
+    """SIGTERM and SIGUSR1 for the listener: Python runs a handler only on the main thread, never while it is
+    blocked in a collective, but the C-level one writes the signal to the wakeup fd, which the listener reads.
+    Until the loop's ``StopRequest`` takes them over, ``handler`` stands in for their default action (death
+    before a word: torchrun sends SIGTERM to every rank the moment one fails)."""
 
     def __init__(self, ends_process: bool):
         self.ends_process, self.previous, self.read_fd = ends_process, {}, None
-        self.handler = lambda signum, frame: None  # one object, so that ``ours`` can tell it
-        if threading.current_thread() is not threading.main_thread():
-            return
-        self.read_fd, self.write_fd = os.pipe()
-        for fd in (self.read_fd, self.write_fd):
-            os.set_blocking(fd, False)
-        signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
-        self.previous = {sig: signal.signal(sig, self.handler) for sig in SIGNALS}
+        self.handler = lambda signum, frame: None
+        if threading.current_thread() is threading.main_thread():
+            self.read_fd, self.write_fd = os.pipe()
+            os.set_blocking(self.write_fd, False)
+            signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+            self.previous = {sig: signal.signal(sig, self.handler) for sig in SIGNALS}
 
     def wait(self, timeout: float) -> List[int]:
         """Sleep up to ``timeout`` s, waking at a signal; the SIGTERMs and SIGUSR1s that came."""
         if self.read_fd is None or not select.select([self.read_fd], [], [], timeout)[0]:
             time.sleep(timeout if self.read_fd is None else 0)
             return []
-        try:
-            return [s for s in os.read(self.read_fd, 512) if s in [int(sig) for sig in SIGNALS]]
-        except BlockingIOError:
-            return []
+        return [s for s in os.read(self.read_fd, 512) if s in [int(sig) for sig in SIGNALS]]
 
     def ours(self, signum: int) -> bool:
         return signal.getsignal(signum) is self.handler
@@ -397,7 +376,7 @@ class Signals:
             signal.signal(sig, signal.SIG_IGN if self.ends_process else handler)
         if self.read_fd is not None:
             signal.set_wakeup_fd(-1)
-            if unread:  # else a late reader could meet the descriptor's number reused by another file
+            if unread:  # else a late read could meet the descriptor's number reused by another file
                 os.close(self.read_fd)
                 os.close(self.write_fd)
             self.read_fd = None
@@ -416,29 +395,3 @@ def end_process(code: int, flushers=()) -> None:
             pass
     os._exit(code)
 
-
-_FORKING_RANK = [False]  # this process is a rank of a run of several processes
-
-
-def _leave_connections_behind() -> None:
-    """In a child forked from a rank (a loader worker): close its copies of the rank's network connections
-    (gloo's, the store's, rank 0's served store), so that the rank's death closes them for its peers at once,
-    not when the child ends (a loader worker notices its parent's death only seconds later)."""
-    if not _FORKING_RANK[0]:
-        return
-    try:
-        fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:  # not Linux: the children keep them, and a rank's death is seen when they end
-        return
-    for fd in fds:
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:  # not a socket (or the listing's own descriptor, closed by now)
-            continue
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.close()
-        else:
-            sock.detach()
-
-
-os.register_at_fork(after_in_child=_leave_connections_behind)

@@ -24,7 +24,7 @@ from ..errors import OneLineParser, UsageError, check_int, check_ints
 from ..helptext import DefaultsFormatter
 from ..models import load_config
 from . import finetune
-from .liveness import DEFAULT_TIMEOUT, LONG_TIMEOUT
+from .distributed import DEFAULT_TIMEOUT, LONG_TIMEOUT
 from .report import check_wandb
 
 RUN_CONFIG_DIR = Path(__file__).resolve().parent.parent / "run_configs"
