@@ -51,9 +51,9 @@ class World:
 
     def master_result(self, obj):
         """Rank 0's ``obj`` on every rank, after rank 0 worked alone (evaluating, writing a checkpoint): the
-        others wait up to ``LONG_TIMEOUT`` for it."""
-        if not self.distributed:
-            return obj
+        others wait up to ``LONG_TIMEOUT`` for it; rank 0, which comes last, as long as for any collective."""
+        if not self.distributed or self.is_master:
+            return self.broadcast_object(obj)
         dist.set_timeout(world_timeout(self.timeout))
         try:
             return self.broadcast_object(obj)

@@ -130,6 +130,7 @@ class Liveness:
         self.context: Callable[[], str] = lambda: "nothing was trained; run it again"
         self.flushers: List[Callable[[], None]] = []  # what to flush if the listener ends the process
         self.signals = Signals(ends_process)
+        _FORKING_RANK[0] = True
         self.thread = threading.Thread(target=self.run, name="naflex-accum-listener", daemon=True)
         self.thread.start()
 
@@ -296,6 +297,7 @@ class Liveness:
                 except Stuck:
                     pass
         self.signals.restore(unread=not self.thread.is_alive())
+        _FORKING_RANK[0] = False
 
     def run(self) -> None:
         while not self.closed.is_set():  # roll calls are answered while the main thread ends too
@@ -315,12 +317,13 @@ class Liveness:
 
     def signalled(self, signum: int) -> Optional[Failure]:
         """A SIGTERM or SIGUSR1: with a rank not answering nothing can be saved; during start-up, a stop."""
+        ours = self.signals.ours(signum)  # the loop's StopRequest does not hold it yet: nothing to save
         missing, name, after = self.missing(), signal.Signals(signum).name, self.context()
         if missing:
             return self.record(Failure(missing[0], EXIT_LOADER, (
                 f"{ranks_text(missing)} has not answered for {ROLL_CALL:g} s (killed or frozen) and rank {self.rank} "
                 f"got {name}: nothing can be saved without every rank; {after} (exit {EXIT_LOADER})"), alive=False))
-        if self.signals.ours(signum):  # the loop's StopRequest does not hold it yet: nothing to save
+        if ours:
             return self.record(Failure(self.rank, EXIT_STOPPED, f"rank {self.rank} got {name} during start-up; "
                                        f"{after} (exit {EXIT_STOPPED})"))
         return None
@@ -395,3 +398,30 @@ def end_process(code: int, flushers=()) -> None:
             pass
     os._exit(code)
 
+
+_FORKING_RANK = [False]  # this process is a rank of a run of several processes
+
+
+def _leave_connections_behind() -> None:
+    """In a child forked from a rank (a loader worker): close its copies of the rank's network connections
+    (gloo's, the store's, the store rank 0 serves), so that the rank's death closes them for its peers at
+    once, not when the child notices it seconds later (a store call meanwhile would hang, then print torch's
+    C++ traceback)."""
+    if not _FORKING_RANK[0]:
+        return
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # not Linux: the children keep them, and a rank's death is seen when they end
+        return
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket (or the listing's own descriptor, closed by now)
+            continue
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.close()
+        else:
+            sock.detach()
+
+
+os.register_at_fork(after_in_child=_leave_connections_behind)
