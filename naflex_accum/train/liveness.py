@@ -11,11 +11,11 @@ SIGTERM and SIGUSR1 at once: with a rank not answering nothing can be saved (74)
 ``StopRequest``, one ends the start-up (75). No store call waits past ``ACK_WAIT`` or goes to a host
 seen gone (torch would print a C++ traceback); rank 0 serving the store keeps it until all are done.
 """
+import contextlib
 import json
 import logging
 import multiprocessing
 import os
-import select
 import signal
 import socket
 import sys
@@ -31,7 +31,7 @@ from ..errors import QuietUsageError, UsageError, last_word
 from ..interrupt import EXIT_INTERRUPTED
 from .exits import EXIT_LOADER, transient
 from .logs import LOGGER_NAME, log_file_only
-from .preempt import EXIT_STOPPED, SIGNALS
+from .preempt import EXIT_STOPPED, Signals
 
 ROLL_CALL = 8.0  # seconds a roll call waits for every rank's answer
 ACK_WAIT = 10.0  # the most a store call, or a wait for a rank to say it has seen the failure, takes
@@ -57,12 +57,10 @@ class RankEnded(Exception):
 
 
 class Stuck(Exception):
-    """The job's store did not answer within ``ACK_WAIT``."""
-    gone = False
+    gone = False  # the store gave no answer within ``ACK_WAIT``, or (``StoreGone``) its host is gone
 
 
 class StoreGone(Stuck):
-    """The job's store's host is gone (the idle link to it closed, or a call to it broke)."""
     gone = True
 
 
@@ -273,16 +271,13 @@ class Liveness:
             except Exception:  # out.log unwritable: stderr has the line, and nothing may hide it
                 pass
 
-    def told(self, failure: Failure) -> str:
-        kind = "" if failure.code == EXIT_STOPPED else "error: "  # a stop on request is no error
-        return f"{self.prog}: {kind}{failure.line}"
+    def told(self, failure: Failure) -> str:  # a stop on request is no error
+        return f"{self.prog}: {'' if failure.code == EXIT_STOPPED else 'error: '}{failure.line}"
 
     def done(self) -> None:
         """Say that this rank will not call the store again (rank 0 under srun serves it until all have)."""
-        try:
+        with contextlib.suppress(Stuck):
             self.ask(lambda: self.store.set(f"seen/{self.rank}", ""))
-        except Stuck:
-            pass
 
     def close(self, ok: bool) -> None:
         """At this rank's end: stop the listener, say so; a rank that serves the store waits for the others."""
@@ -292,10 +287,8 @@ class Liveness:
         if self.ending is None:
             self.done()
             if self.hosts_store and ok:
-                try:
+                with contextlib.suppress(Stuck):
                     self.seen(list(range(1, self.world_size)), self.timeout)
-                except Stuck:
-                    pass
         self.signals.restore(unread=not self.thread.is_alive())
         _FORKING_RANK[0] = False
 
@@ -341,50 +334,6 @@ class Liveness:
             end_process(failure.code, self.flushers)
 
 
-class Signals:
-    """SIGTERM and SIGUSR1 for the listener: Python runs a handler only on the main thread, never while it is
-    blocked in a collective, but the C-level one writes the signal to the wakeup fd, which the listener reads.
-    Until the loop's ``StopRequest`` takes them over, ``handler`` stands in for their default action (death
-    before a word: torchrun sends SIGTERM to every rank the moment one fails)."""
-
-    def __init__(self, ends_process: bool):
-        self.ends_process, self.previous, self.read_fd = ends_process, {}, None
-        self.handler = lambda signum, frame: None
-        if threading.current_thread() is threading.main_thread():
-            self.read_fd, self.write_fd = os.pipe()
-            os.set_blocking(self.write_fd, False)
-            signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
-            self.previous = {sig: signal.signal(sig, self.handler) for sig in SIGNALS}
-
-    def wait(self, timeout: float) -> List[int]:
-        """Sleep up to ``timeout`` s, waking at a signal; the SIGTERMs and SIGUSR1s that came."""
-        if self.read_fd is None or not select.select([self.read_fd], [], [], timeout)[0]:
-            time.sleep(timeout if self.read_fd is None else 0)
-            return []
-        return [s for s in os.read(self.read_fd, 512) if s in [int(sig) for sig in SIGNALS]]
-
-    def ours(self, signum: int) -> bool:
-        return signal.getsignal(signum) is self.handler
-
-    def wake(self) -> None:
-        if self.read_fd is not None:
-            try:
-                os.write(self.write_fd, b"\0")
-            except OSError:  # full: the wait ends anyway
-                pass
-
-    def restore(self, unread: bool) -> None:
-        """The previous handlers, or, in a process that ends with the run, none (a late signal is ignored)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, signal.SIG_IGN if self.ends_process else handler)
-        if self.read_fd is not None:
-            signal.set_wakeup_fd(-1)
-            if unread:  # else a late read could meet the descriptor's number reused by another file
-                os.close(self.read_fd)
-                os.close(self.write_fd)
-            self.read_fd = None
-
-
 def end_process(code: int, flushers=()) -> None:
     """Exit now, from the listener (the main thread is blocked or busy): what the run logged is flushed
     (``flushers``: tensorboard's events), and no loader worker is left behind."""
@@ -403,10 +352,8 @@ _FORKING_RANK = [False]  # this process is a rank of a run of several processes
 
 
 def _leave_connections_behind() -> None:
-    """In a child forked from a rank (a loader worker): close its copies of the rank's network connections
-    (gloo's, the store's, the store rank 0 serves), so that the rank's death closes them for its peers at
-    once, not when the child notices it seconds later (a store call meanwhile would hang, then print torch's
-    C++ traceback)."""
+    """In a child forked from a rank (a loader worker): close its copies of the rank's network connections, so
+    that the rank's death closes them for its peers at once (a store call would hang meanwhile)."""
     if not _FORKING_RANK[0]:
         return
     try:
