@@ -15,7 +15,7 @@ try:  # first (see the module docstring)
     from typing import List, Optional
 
     from . import __version__, output
-    from .errors import UsageError, last_word
+    from .errors import UsageError, last_word, record_exit
 except KeyboardInterrupt:
     import sys  # built in: loaded before any code runs
 
@@ -73,9 +73,6 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
         return interrupted(f"naflex-accum {name}")
 
 
-EXIT_FILE_ENV = "NAFLEX_ACCUM_EXIT_FILE"
-
-
 def entry(argv: Optional[List[str]] = None) -> int:
     """``main`` for a process that ends with the command (the console script, ``python -m``).
 
@@ -103,20 +100,7 @@ def entry(argv: Optional[List[str]] = None) -> int:
     finally:
         finished()
         output.flush()
-        _record_exit(code)
-
-
-def _record_exit(code: int) -> None:
-    path = os.environ.get(EXIT_FILE_ENV)
-    if not path:
-        return
-    tmp = f"{path}.{os.getpid()}"
-    try:  # every rank of a job writes the same class (train.peers); the last replace stands
-        with open(tmp, "w") as f:
-            f.write(f"{code}\n{last_word()}\n" if code else f"{code}\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        print(f"naflex-accum: cannot write the exit status to ${EXIT_FILE_ENV}={path} ({exc})", file=sys.stderr)
+        record_exit(code, last_word())
 
 
 def _version() -> str:

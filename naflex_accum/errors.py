@@ -8,6 +8,8 @@ docs/long-runs.md, "Exit codes".
 """
 import argparse
 import errno as _errno
+import os
+import sys
 from typing import Optional
 
 
@@ -69,6 +71,24 @@ def last_word(line: Optional[str] = None) -> str:
     if line is not None:
         _LAST_WORD[0] = line
     return _LAST_WORD[0]
+
+
+EXIT_FILE_ENV = "NAFLEX_ACCUM_EXIT_FILE"
+
+
+def record_exit(code: int, line: str = "") -> None:
+    """Writes ``code``, and ``line`` under it, to ``$NAFLEX_ACCUM_EXIT_FILE`` when set: torchrun exits 1 whatever
+    its workers' status, so a cluster script that requeues on 74 reads the trainer's own class there."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}"
+    try:  # every rank of a job writes the same class (train.ending.liveness); the last replace stands
+        with open(tmp, "w") as f:
+            f.write(f"{code}\n{line}\n" if code else f"{code}\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"naflex-accum: cannot write the exit status to ${EXIT_FILE_ENV}={path} ({exc})", file=sys.stderr)
 
 
 def is_int_at_least(value, minimum: int) -> bool:

@@ -164,6 +164,8 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
         if result is not None:
             losses, report, step_batch_size, accum_state = result
             state.global_step += 1
+            if not world.started:  # start-up is over: a collective waits --dist-timeout from here on
+                world.first_step_done()
             state.samples_seen += step_batch_size * world.world_size
             state.epoch_samples += step_batch_size * world.world_size
             loop.monitor.add(state.global_step, losses, report, sum(sizes), tokens, data_time)

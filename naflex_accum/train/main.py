@@ -40,7 +40,7 @@ from .monitor import NonFiniteLoss, StepMonitor
 from .output.logs import RunLogger, setup_logging
 from .output.report import open_wandb, sinks
 from .output.summary import finished, log_nothing_to_do, log_summary
-from .peers import RankEnded, RankFailure
+from .ending.liveness import RankEnded, RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def _again(args) -> str:
 
 
 def _after_failure(state, saver, args) -> str:
-    """What a failure line says about the run (``peers``: every rank's line names the same checkpoint)."""
+    """What a failure line says about the run (``liveness``: every rank's line names the same checkpoint)."""
     return (f"the run stopped after optimizer step {state.global_step} without saving; last good checkpoint: "
             f"{saver.last_good or 'none'}; run again with {_again(args)}")
 
@@ -281,7 +281,7 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
                          f"run again with {_again(args)} (exit {EXIT_LOADER})")
         if world.is_master:
             _log_error(line)
-        if world.distributed:  # every rank ends with it; rank 0 prints another rank's (peers)
+        if world.distributed:  # every rank ends with it; rank 0 prints another rank's (liveness)
             raise RankFailure(line, EXIT_LOADER) from None
     finally:
         stop_workers()  # a worker that outlived a failure would hold the process at exit (workers ignore SIGTERM)
@@ -311,7 +311,7 @@ def train(argv=None, prog="naflex-accum train", ends_process: bool = False) -> d
     """Parse, set up the process group, run, tear down; returns run()'s summary (rank 0's is complete).
 
     With several processes, a failure on any rank ends every rank in the first failure's exit class, its
-    line printed once (``peers``): this raises ``QuietUsageError`` or ``RankEnded`` where another rank's
+    line printed once (``liveness``): this raises ``QuietUsageError`` or ``RankEnded`` where another rank's
     failure was printed elsewhere. ``ends_process``: this process ends with the run (the entry points say so):
     a scheduler's signal after the run has saved is then ignored (``preempt``)."""
     args = _parse(argv, prog)

@@ -10,10 +10,9 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from ..accum.modes import ACCUM_MODES, DEFAULT_MODE, ENV_VAR as MODE_VAR
-from ..errors import UsageError
+from ..errors import EXIT_FILE_ENV as EXIT_FILE_VAR, UsageError
 from .selfcheck import ENV_VAR as VERIFY_VAR
 
-EXIT_FILE_VAR = "NAFLEX_ACCUM_EXIT_FILE"  # cli.EXIT_FILE_ENV; cli imports the commands, not the reverse
 DOCS = "docs/upstream.md"
 
 

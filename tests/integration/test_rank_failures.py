@@ -3,7 +3,7 @@
 The real thing: torchrun (--standalone, gloo, CPU, 2 processes; each rank's output redirected by
 torchrun to files of its own) around ``naflex-accum train`` (``loader_jobs/rank_faults.py``), and two
 processes started the way srun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), where rank 0
-serves the job's store from a process of its own. Faults: rank 1 alone raises (its data loader cannot
+serves the job's store itself, as env:// has it. Faults: rank 1 alone raises (its data loader cannot
 start, or its images stop decoding mid-run); rank 1 frozen with SIGSTOP; rank 1 killed with SIGKILL;
 rank 1 frozen while rank 0 gets SIGTERM; rank 0 killed under srun; rank 0's checkpoint write slower
 than any collective may wait. The line must reach the user once, on rank 0's stderr (and in out.log
@@ -184,8 +184,22 @@ def test_a_frozen_rank_ends_the_job_within_the_dist_timeout_exit_74(setup, tmp_p
     codes = job.wait(timeout=60)
     print(f"rank 0 ended {ended - frozen:.1f} s after rank 1 froze")
     assert codes == {0: 74, 1: 74}, job.report()
-    line = heard_once(job, "rank 1 stopped answering: no heartbeat for 6 s (--dist-timeout)")
+    line = heard_once(job, "rank 1 stopped answering: a collective waited --dist-timeout (6 s) and a roll call 8 s")
     last_checkpoint_loads(line)
+
+
+def test_ranks_that_end_without_a_word_leave_the_requeue_class_in_the_exit_file(setup, tmp_path):
+    # NCCL's watchdog ends every process waiting in a collective past --dist-timeout with SIGABRT: no trainer
+    # code runs, so what each rank wrote once its process group was up is what launch/slurm.sbatch reads
+    exit_file = tmp_path / "exit"
+    job = Job(tmp_path, setup, NAFLEX_ACCUM_EXIT_FILE=str(exit_file))
+    job.wait_steps(0, 1)
+    job.wait_steps(1, 1)
+    for rank in (0, 1):
+        os.kill(job.pid(rank), signal.SIGABRT)
+    assert job.wait(timeout=60) == {0: -signal.SIGABRT, 1: -signal.SIGABRT}, job.report()
+    code, line = exit_file.read_text().splitlines()
+    assert code == "74" and "ended without a word: killed, or ended by NCCL's watchdog" in line, line
 
 
 def test_a_killed_rank_ends_the_others_with_one_line_exit_74(setup, tmp_path):
@@ -196,7 +210,9 @@ def test_a_killed_rank_ends_the_others_with_one_line_exit_74(setup, tmp_path):
     job.wait_rank(0, killed + 40)
     codes = job.wait(timeout=60)
     assert codes[0] == 74 and codes[1] == -signal.SIGKILL, job.report()
-    last_checkpoint_loads(heard_once(job, "rank 1 ended without a word (killed?"))
+    # rank 0's broken collective, or torchrun's SIGTERM that follows at once, starts the roll call that names it
+    text = "rank 1 ended without a word (killed?" if "rank 1 ended" in job.outputs() else "rank 1 has not answered"
+    last_checkpoint_loads(heard_once(job, text))
 
 
 def test_sigterm_to_a_rank_waiting_on_a_frozen_peer_ends_it_at_once(setup, tmp_path):
@@ -232,14 +248,15 @@ def test_srun_rank_0_killed_rank_1_says_so_at_once_exit_74(setup, tmp_path):
 
 
 def test_rank_0_writing_a_checkpoint_longer_than_a_collective_may_wait_is_not_a_failure(setup, tmp_path):
-    # --dist-timeout 5: a collective waits at most 35 s; rank 0's first checkpoint write takes 38 s more. Under
-    # srun, where rank 0's store process must outlive it until rank 1 has said goodbye, and then end.
+    # --dist-timeout 5: a collective waits at most 5 s once the first step has ended; rank 0's first checkpoint
+    # write takes 38 s more (the others wait for it under the solo phases' timeout). Under srun, where rank 0
+    # serves the store until rank 1 is done with it, and nothing serves its port after the run.
     job = Job(tmp_path, setup, "--dist-timeout", "5", srun=True, epochs=1, SLOW="38")
     assert job.wait(timeout=150) == {0: 0, 1: 0}, job.report()
     assert [line for r in (0, 1) for line in job.output(r, "stderr").splitlines() if DDP_WARNING not in line] == []
     assert "ERROR" not in job.out_log() and (tmp_path / "logs/run/checkpoints/epoch_1.pt").exists(), job.report()
     deadline = time.time() + 30
-    while True:  # the store's process ended: nothing serves its port
+    while True:  # nothing serves the store's port once the run is over
         try:
             socket.create_connection(("127.0.0.1", job.port), timeout=2).close()
         except ConnectionRefusedError:

@@ -100,13 +100,9 @@ def cycles(graph: dict) -> list:
     return found
 
 
-# issue 43: the liveness rewrite (peers, watchdog) removes this circle; the exemption goes with it
-KNOWN_CYCLES = [["naflex_accum.train.peers", "naflex_accum.train.watchdog"]]
-
-
 def test_no_modules_import_each_other_in_a_circle():
     graph = {name: {target for _, target in imported(name, path.read_text())} for name, path in SOURCES.items()}
-    assert [c for c in cycles(graph) if c not in KNOWN_CYCLES] == []
+    assert cycles(graph) == []
 
 
 def test_no_sub_package_imports_the_package_root():

@@ -22,12 +22,12 @@ import yaml
 from ...accum.modes import ACCUM_MODES, DEFAULT_MODE
 from ...accum.scales import LOSS_SCALES, check_options
 from ...data import DataConfig, check_data_config
-from ...errors import OneLineParser, UsageError, check_ints
+from ...errors import OneLineParser, UsageError, check_int, check_ints
 from ...helptext import DefaultsFormatter
 from ...models import load_config
 from ..model import finetune
 from ..output.report import check_wandb
-from ..peers import COLLECTIVE_MARGIN, DEFAULT_TIMEOUT
+from ..ending.distributed import DEFAULT_TIMEOUT, LONG_TIMEOUT
 
 RUN_CONFIG_DIR = Path(__file__).resolve().parents[2] / "run_configs"
 SUPPORTED_PRECISIONS = ("fp32", "amp", "amp_bf16", "amp_bfloat16")
@@ -148,10 +148,10 @@ def _add_run_args(r) -> None:
                    help="every N optimizer steps at least, all ranks agree on stop requests and check the loss "
                         "is finite (one all-reduce and one device read; logging and saving steps always check)")
     r.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                   help="several processes: a rank not heard from for this long (no heartbeat: a stopped or "
-                        "frozen process) ends the run on every rank with one line (exit 74); a collective waits "
-                        f"at most this + {COLLECTIVE_MARGIN:g} s. Rank 0's evaluations and checkpoint writes do "
-                        "not count while it is alive")
+                   help="several processes: a collective (from the end of the first step on) waits at most this "
+                        "long for a rank, then the run ends on every rank with one line naming the rank that did "
+                        f"not answer (exit 74). Start-up and rank 0's evaluations and checkpoint writes may take "
+                        f"{LONG_TIMEOUT:g} s (or this, if longer)")
     r.add_argument("--torchcompile", action="store_true",
                    help="torch.compile the model (upstream's 'model' strategy): a graph per sequence length")
     r.add_argument("--torchcompile-backend", default=None, help="torch.compile backend (default: inductor)")

@@ -3,9 +3,10 @@
 Invariants: every rank agrees on (rank, world_size) before any model or data is
 made; a half-set environment (a RANK without a WORLD_SIZE, say) is an error,
 not a silent single-process run; collectives here are no-ops in one process.
-Several processes open the job's store where env:// would and keep the side
-channel of ``peers`` in it (every rank heard, rank 0's solo phases waited for
-on the store); no collective waits longer than --dist-timeout plus a margin.
+Several processes open the job's store where env:// would (torchrun's agent
+serves it, or else rank 0) and are heard through it (``liveness``). A collective
+waits at most torch's timeout of the phase: ``LONG_TIMEOUT`` until the first
+optimizer step has ended and while rank 0 works alone, --dist-timeout otherwise.
 """
 import os
 import re
@@ -16,10 +17,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...errors import UsageError
+from ...errors import UsageError, record_exit
+from .exits import EXIT_LOADER
 from ...ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS
-from .. import storehost
-from ..peers import COLLECTIVE_MARGIN, DEFAULT_TIMEOUT, Peers, channel_prefix
+from .liveness import Liveness
+
+DEFAULT_TIMEOUT = 600.0  # --dist-timeout's default (docs/distributed.md says why)
+LONG_TIMEOUT = 7200.0  # start-up to the first step's end, and rank 0's solo phases (or --dist-timeout, if longer)
+
+# NCCL: a collective that times out ends the process (its CUDA work cannot go on), and the flight recorder
+# dumps every rank's last collectives (to TORCH_FR_DUMP_TEMP_FILE, default /tmp/nccl_trace_rank_N). Each is
+# set unless the user set it (under either of its names).
+NCCL_DEFAULTS = {("TORCH_NCCL_ASYNC_ERROR_HANDLING",): "3", ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+                 ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000"}
 
 # The first variable found wins, as open_clip's world_info_from_env; not that function itself, because it
 # turns a half-set environment into a silent single-process run, which is refused here.
@@ -31,25 +41,36 @@ class World:
     local_rank: int = 0
     world_size: int = 1
     distributed: bool = False
-    peers: Optional[Peers] = None  # the side channel, in a run of several processes
+    store: Optional[dist.Store] = None  # the job's store, in a run of several processes
+    peers: Optional[Liveness] = None  # how this rank is heard, in a run of several processes
+    timeout: float = DEFAULT_TIMEOUT  # --dist-timeout
+    started: bool = False  # the first optimizer step has ended: collectives wait --dist-timeout from here on
 
     @property
     def is_master(self) -> bool:
         return self.rank == 0
 
     def master_result(self, obj):
-        """Rank 0's ``obj`` on every rank, after rank 0 worked alone however long (waited for on the store
-        while rank 0 is alive: no collective timeout applies)."""
-        if not self.distributed:
-            return obj
-        if self.peers is None:
+        """Rank 0's ``obj`` on every rank, after rank 0 worked alone (evaluating, writing a checkpoint): the
+        others wait up to ``LONG_TIMEOUT`` for it; rank 0, which comes last, as long as for any collective."""
+        if not self.distributed or self.is_master:
             return self.broadcast_object(obj)
-        return self.peers.share(obj)
+        dist.set_timeout(world_timeout(self.timeout))
+        try:
+            return self.broadcast_object(obj)
+        finally:
+            self.first_step_done(self.started)
+
+    def first_step_done(self, done: bool = True) -> None:
+        """From the end of the first optimizer step on, a collective waits at most --dist-timeout."""
+        self.started = done
+        if self.distributed and dist.is_initialized():
+            dist.set_timeout(timedelta(seconds=self.timeout) if done else world_timeout(self.timeout))
 
     def close(self, code=0) -> None:
-        """This rank's end: the side channel's goodbye, then the process group."""
+        """This rank's end: the listener stops (rank 0 serving the store waits for the others), then the group."""
         if self.peers is not None:
-            self.peers.close(code)
+            self.peers.close(ok=code is not None)
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -90,6 +111,11 @@ class World:
         both = torch.cat([t, -t])
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         return bool(torch.equal(both[: len(t)], -both[len(t):]))
+
+
+def world_timeout(timeout: float) -> timedelta:
+    """The process group's timeout until the first step has ended, and while rank 0 works alone."""
+    return timedelta(seconds=max(LONG_TIMEOUT, timeout))
 
 
 def _collective_device():
@@ -190,14 +216,11 @@ def _master_address(env) -> tuple:
 def _open_store(world: World, address: tuple, timeout: timedelta):
     """The job's store, where env:// has it (torch.distributed.rendezvous): under torchrun's agent
     (TORCHELASTIC_USE_AGENT_STORE=True) every rank is a client of the agent's store at MASTER_ADDR:MASTER_PORT;
-    otherwise rank 0 serves it there, from a process of its own (``storehost``: it outlives rank 0, as the
-    agent's does) of which every rank, rank 0 too, is a client."""
+    otherwise rank 0 serves it there."""
     host, port = address
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    if world.rank == 0 and not agent:
-        storehost.start(address, world.world_size, timeout, channel_prefix())
+    serves = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
     try:
-        return dist.TCPStore(host, port, world.world_size, is_master=False, timeout=timeout)
+        return dist.TCPStore(host, port, world.world_size, is_master=serves, timeout=timeout)
     except (RuntimeError, ValueError) as exc:  # DistNetworkError, DistStoreError: one line, not torch's report
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"rank {world.rank}: cannot reach the job's store at {host}:{port} (MASTER_ADDR, "
@@ -213,8 +236,8 @@ def connect(env=None, timeout: float = DEFAULT_TIMEOUT, prog: str = "naflex-accu
     world = world_from_env(env)
     if world.distributed:
         address = _master_address(env)
-        store = _open_store(world, address, timedelta(seconds=timeout + COLLECTIVE_MARGIN))
-        world.peers = Peers(world, store, address, timeout, prog, ends_process)
+        world.store, world.timeout = _open_store(world, address, world_timeout(timeout)), timeout
+        world.peers = Liveness(world, address, timeout, prog, ends_process)
     return world
 
 
@@ -226,7 +249,15 @@ def init_distributed(device_arg=None, env=None, world: Optional[World] = None) -
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world.distributed and not dist.is_initialized():
-        peers = world.peers
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=peers.pg_store(),
-                                rank=world.rank, world_size=world.world_size, timeout=peers.collective_timeout)
+        for names, value in NCCL_DEFAULTS.items() if device.type == "cuda" else ():  # as torchtitan
+            if not any(name in os.environ for name in names):
+                os.environ[names[0]] = value
+        # What the job's script reads if this process ends without a word: killed, or torn down by NCCL's
+        # watchdog (a collective past --dist-timeout under TORCH_NCCL_ASYNC_ERROR_HANDLING=3), a rank lost as
+        # much as one the others name: requeue. The class the process ends with replaces it.
+        record_exit(EXIT_LOADER, f"rank {world.rank} ended without a word: killed, or ended by NCCL's watchdog "
+                                 "after --dist-timeout (its output says which)")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=dist.PrefixStore("default_pg", world.store), rank=world.rank,
+                                world_size=world.world_size, timeout=world_timeout(world.timeout))
     return world, device

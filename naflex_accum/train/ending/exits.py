@@ -1,7 +1,7 @@
 """How ``naflex-accum train`` ends: its exit statuses, and which failures are the transient class.
 
 Invariant: every way a run ends maps to one status (``EXIT_CODES``, docs/long-runs.md), the same on every rank
-(``peers``), so a cluster script can act on it: 0 finished, 2 a setting to fix, 3 non-finite, 74 a transient
+(``liveness``), so a cluster script can act on it: 0 finished, 2 a setting to fix, 3 non-finite, 74 a transient
 failure another attempt may not meet (requeue it), 75 stopped on request after saving, 130 interrupted by
 Ctrl-C (``interrupt``). ``transient(exc)`` is the one place that says what counts as 74: a loader worker's
 failure, a ``TransientError`` (a shard the OS cannot read, no batch within ``--data-timeout``, a source that

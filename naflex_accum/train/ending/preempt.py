@@ -19,14 +19,18 @@ kill a worker under the trainer; the previous handlers come back when the run
 ends, except in a process that ends with the run (``ends_process``, which only the
 entry points pass): there a signal after the run has saved is ignored, so a
 scheduler's SIGTERM landing during teardown cannot turn a finished, saved run
-into a killed one.
+into a killed one. ``Signals`` lets another thread (``liveness``'s listener) see them while the main
+thread is blocked.
 """
+import contextlib
 import logging
 import os
+import select
 import signal
 import threading
 import time
 from pathlib import Path
+from typing import List
 
 EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped on request after saving; run it again to continue
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -118,3 +122,43 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, signal.SIG_IGN if self.ends_process else handler)
         self._previous = {}
+
+
+class Signals:
+    """SIGTERM and SIGUSR1 seen by the listener through the wakeup fd, even while the main thread is blocked
+    in a collective; until ``StopRequest`` takes them over, ``handler`` stands in for death before a word."""
+
+    def __init__(self, ends_process: bool):
+        self.ends_process, self.previous, self.read_fd = ends_process, {}, None
+        self.handler = lambda signum, frame: None
+        if threading.current_thread() is threading.main_thread():
+            self.read_fd, self.write_fd = os.pipe()
+            os.set_blocking(self.write_fd, False)
+            signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+            self.previous = {sig: signal.signal(sig, self.handler) for sig in SIGNALS}
+
+    def wait(self, timeout: float) -> List[int]:
+        """Sleep up to ``timeout`` s, waking at a signal; the SIGTERMs and SIGUSR1s that came."""
+        if self.read_fd is None or not select.select([self.read_fd], [], [], timeout)[0]:
+            time.sleep(timeout if self.read_fd is None else 0)
+            return []
+        return [s for s in os.read(self.read_fd, 512) if s in [int(sig) for sig in SIGNALS]]
+
+    def ours(self, signum: int) -> bool:
+        return signal.getsignal(signum) is self.handler
+
+    def wake(self) -> None:
+        if self.read_fd is not None:
+            with contextlib.suppress(OSError):  # full: the wait ends anyway
+                os.write(self.write_fd, b"\0")
+
+    def restore(self, unread: bool) -> None:
+        """The previous handlers, or, in a process that ends with the run, none (a late signal is ignored)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, signal.SIG_IGN if self.ends_process else handler)
+        if self.read_fd is not None:
+            signal.set_wakeup_fd(-1)
+            if unread:  # else a late read could meet the descriptor's number reused by another file
+                os.close(self.read_fd)
+                os.close(self.write_fd)
+            self.read_fd = None

@@ -198,7 +198,7 @@ class RunLogger:
             raise WriteError(self.results_file, exc) from None
 
     def flush(self):
-        """Tensorboard's pending events to disk (the watchdog's last act before it ends the process)."""
+        """Tensorboard's pending events to disk (the liveness listener's last act before it ends the process)."""
         if self.writer is not None:
             self.writer.flush()
 

@@ -1,6 +1,6 @@
-"""--dist-timeout, how long a rank waits on its peers (train/peers.py): seconds above 0, else one line, exit 2.
+"""--dist-timeout, how long a collective waits on a peer (train/distributed.py): seconds above 0, else one line.
 
-The peers themselves (a rank that fails, freezes or is killed) run for real in
+The ranks themselves (a rank that fails, freezes or is killed: train/liveness.py) run for real in
 integration/test_rank_failures.py.
 """
 

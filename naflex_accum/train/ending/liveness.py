@@ -1,0 +1,374 @@
+"""Every rank is heard: the first failure is recorded once in the job's store, and every rank ends with it.
+
+Invariants: a rank waits on its peers as long as torch's collective timeout (``World`` sets it per phase):
+gloo raises at once when a peer is gone, after the timeout when one is frozen. The first failure any
+rank records (compare-and-set: one line naming the rank, its exit class) is the one every rank ends
+with; rank 0 prints it once, on stderr and in out.log (rank 1 when rank 0 is gone; the failing rank
+when rank 0 does not say within ``ACK_WAIT`` it has seen it). Which ranks are gone or frozen is asked,
+not watched: a roll call, answered within a second by each rank's listener thread, which also ends
+its process with another rank's failure when the main thread does not (blocked, busy), and sees
+SIGTERM and SIGUSR1 at once: with a rank not answering nothing can be saved (74); before the loop's
+``StopRequest``, one ends the start-up (75). No store call waits past ``ACK_WAIT`` or goes to a host
+seen gone (torch would print a C++ traceback); rank 0 serving the store keeps it until all are done.
+"""
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Callable, List, Optional
+
+import torch.distributed as dist
+
+from ...errors import QuietUsageError, UsageError, last_word
+from ...interrupt import EXIT_INTERRUPTED
+from .exits import EXIT_LOADER, transient
+from ..output.logs import LOGGER_NAME, log_file_only
+from .preempt import EXIT_STOPPED, Signals
+
+ROLL_CALL = 8.0  # seconds a roll call waits for every rank's answer
+ACK_WAIT = 10.0  # the most a store call, or a wait for a rank to say it has seen the failure, takes
+TAKEOVER = 5.0  # seconds the main thread gets to end the process itself once the listener knows the failure
+# What a collective raises when a peer is gone or does not answer (gloo's errors name its sources)
+COMM_MARKERS = ("/gloo/", "Connection reset by peer", "Connection closed by peer", "NCCL")
+
+
+class RankFailure(Exception):
+    """This rank failed in a way the run handles (one line, an exit class), e.g. its data loader."""
+
+    def __init__(self, line: str, code: int):
+        super().__init__(line)
+        self.line, self.code = line, code
+
+
+class RankEnded(Exception):
+    """This rank ends with exit status ``code``; its line was printed where it had to be."""
+
+    def __init__(self, code: int):
+        super().__init__(f"exit {code}")
+        self.code = code
+
+
+class Stuck(Exception):
+    gone = False  # the store gave no answer within ``ACK_WAIT``, or (``StoreGone``) its host is gone
+
+
+class StoreGone(Stuck):
+    gone = True
+
+
+@dataclass
+class Failure:
+    rank: int  # the rank that failed
+    code: int  # the exit class every rank ends with
+    line: str  # one line, naming the rank
+    alive: bool = True  # the failing rank recorded it itself
+    text: str = ""  # a UsageError's own message: ranks that met the same one print it once, bare
+
+    @property
+    def announcer(self) -> int:
+        """The rank that prints it: rank 0, unless rank 0 is the rank that is gone."""
+        return 1 if self.rank == 0 and not self.alive else 0
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    return isinstance(exc, dist.DistError) or (
+        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in COMM_MARKERS))
+
+
+def first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def own_failure(exc: BaseException, rank: int) -> Optional[Failure]:
+    """The failure ``exc`` is on this rank, or None when it only says that a peer is gone or silent."""
+    if isinstance(exc, RankFailure):
+        return Failure(rank, exc.code, exc.line)
+    what = transient(exc)
+    if what is not None:
+        return Failure(rank, EXIT_LOADER, f"rank {rank}: {what} (exit {EXIT_LOADER})", text=what)
+    if isinstance(exc, UsageError):
+        return Failure(rank, 2, f"rank {rank}: {exc}", text=str(exc))
+    if isinstance(exc, KeyboardInterrupt):
+        return Failure(rank, EXIT_INTERRUPTED, f"rank {rank} was interrupted (SIGINT)")
+    if is_comm_error(exc):
+        return None
+    return Failure(rank, 1, f"rank {rank} failed: {type(exc).__name__}: {first_line(exc)} (a bug: the traceback "
+                            f"is in rank {rank}'s output)")
+
+
+def ranks_text(ranks: List[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+class Liveness:
+    """This rank's side: the main thread's calls, and the listener thread (``run``)."""
+
+    def __init__(self, world, address: tuple, timeout: float, prog: str, ends_process: bool = False):
+        self.rank, self.world_size, self.address, self.timeout, self.prog = \
+            world.rank, world.world_size, address, timeout, prog
+        self.hosts_store = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
+        client = dist.TCPStore(*address, None, is_master=False, timeout=timedelta(seconds=ACK_WAIT),
+                                wait_for_workers=False)
+        self.store = dist.PrefixStore(f"naflex_accum/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+        self.link = socket.create_connection(address, timeout=5)  # reads end-of-file once the store's host is gone
+        self.link.setblocking(False)
+        self.lock, self.closed = threading.Lock(), threading.Event()
+        self.decision: Optional[Failure] = None
+        self.ending: Optional[float] = None  # when the main thread began ending (it then ends the process)
+        self.announced, self.answered, self.gone = False, 0, set()
+        self.context: Callable[[], str] = lambda: "nothing was trained; run it again"
+        self.flushers: List[Callable[[], None]] = []  # what to flush if the listener ends the process
+        self.signals = Signals(ends_process)
+        _FORKING_RANK[0] = True
+        self.thread = threading.Thread(target=self.run, name="naflex-accum-listener", daemon=True)
+        self.thread.start()
+
+    def ask(self, fn):
+        """``fn()`` on the store; ``Stuck`` when its host is gone or it gives no answer within ``ACK_WAIT``."""
+        try:
+            if not self.link.recv(1):
+                raise StoreGone()
+        except BlockingIOError:
+            pass
+        except OSError:
+            raise StoreGone() from None
+        box = {}
+
+        def call():
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller's thread
+                box["error"] = exc
+        helper = threading.Thread(target=call, daemon=True)
+        helper.start()
+        helper.join(ACK_WAIT)
+        if helper.is_alive():
+            raise Stuck()
+        if isinstance(box.get("error"), dist.DistError):
+            raise StoreGone()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def record(self, failure: Failure) -> Failure:
+        """``failure`` recorded unless one is already; the first either way."""
+        raw = self.ask(lambda: self.store.compare_set("failure", "", json.dumps(asdict(failure))))
+        return Failure(**json.loads(raw))
+
+    def first(self) -> Optional[Failure]:
+        raw = self.ask(lambda: self.store.get("failure") if self.store.check(["failure"]) else None)
+        return Failure(**json.loads(raw)) if raw else None
+
+    def missing(self) -> List[int]:
+        """A roll call: the ranks that do not answer within ``ROLL_CALL`` seconds."""
+        n, others = self.ask(lambda: self.store.add("roll", 1)), set(range(self.world_size)) - {self.rank}
+        deadline, key = time.monotonic() + ROLL_CALL, f"here/{n}"
+        while True:
+            raw = self.ask(lambda: self.store.get(key) if self.store.check([key]) else b"")
+            absent = others - {int(r) for r in bytes(raw).decode().split(",") if r}
+            if not absent or time.monotonic() > deadline:
+                self.gone |= absent
+                return sorted(absent)
+            time.sleep(0.2)
+
+    def seen(self, ranks: List[int], limit: float) -> bool:
+        """Whether ``ranks`` (those not gone) said within ``limit`` s that they are done with the store."""
+        keys, deadline = [f"seen/{r}" for r in ranks if r not in self.gone], time.monotonic() + limit
+        while not self.ask(lambda: self.store.check(keys)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def decide(self, failure: Failure) -> Failure:
+        """``failure`` becomes this rank's decision unless there is one; the decision."""
+        with self.lock:
+            self.decision = self.decision or failure
+            return self.decision
+
+    def end_with(self, exc: BaseException):
+        """Raise what this rank ends with after ``exc``: the first failure recorded, in its exit class."""
+        self.ending = time.monotonic()
+        mine = None if isinstance(exc, QuietUsageError) else own_failure(exc, self.rank)
+        try:
+            if isinstance(exc, QuietUsageError):  # rank 0's own error, which it prints
+                first = self.decide(Failure(0, 2, str(exc), text=str(exc)))
+            elif self.decision is None:
+                first = self.decide(self.record(mine) if mine is not None else self.after_comm_error(exc))
+        except Stuck as stuck:
+            first = self.decide(mine or self.store_gone(stuck))
+        first = self.decision
+        last_word(self.told(first))
+        own = mine is not None and (first.rank == self.rank or (bool(mine.text) and mine.text == first.text))
+        if self.rank == first.announcer and not own:
+            self.announce(first)
+        self.done()
+        try:
+            if own and self.rank != 0 and first.rank == self.rank and first.code != 1 and not self.seen([0], ACK_WAIT):
+                self.announce(first)  # rank 0 is not there to print it
+            if self.hosts_store:
+                self.seen(list(range(1, self.world_size)), ACK_WAIT)
+        except Stuck:
+            if own and self.rank != 0 and mine.code != 1:
+                self.announce(first)
+        if own and (self.rank == 0 or mine.code == 1):
+            if isinstance(exc, RankFailure):  # rank 0's loader failure: already in its log
+                raise RankEnded(exc.code) from None
+            raise exc  # printed as one process prints it: by the CLI, or with its traceback (a bug)
+        if first.code == 2:
+            raise QuietUsageError(first.line) from None
+        raise RankEnded(first.code) from None
+
+    def after_comm_error(self, exc: BaseException) -> Failure:
+        """The failure behind a collective that broke: a peer's record, else the ranks that miss a roll call."""
+        recorded = self.first()
+        if recorded is not None:
+            return recorded
+        missing, waited = self.missing(), "imed out" in str(exc) or "timeout" in str(exc).lower()
+        recorded, after = self.first(), f"{self.context()} (exit {EXIT_LOADER})"
+        if recorded is not None:
+            return recorded
+        if missing and waited:
+            line = (f"{ranks_text(missing)} stopped answering: a collective waited --dist-timeout ({self.timeout:g} s) "
+                    f"and a roll call {ROLL_CALL:g} s (a stopped or frozen process); {after}")
+        elif missing:
+            line = f"{ranks_text(missing)} ended without a word (killed? the OOM killer sends SIGKILL); {after}"
+        else:
+            line = (f"rank {self.rank}: a collective " + (f"waited --dist-timeout ({self.timeout:g} s)" if waited else
+                    f"failed ({first_line(exc)})") + " while every rank answers a roll call (one stuck in I/O, or in a "
+                    f"loader slower than --data-timeout?); {after}")
+        return self.record(Failure(missing[0] if missing else self.rank, EXIT_LOADER, line, alive=not missing))
+
+    def store_gone(self, stuck: Stuck) -> Failure:
+        """This rank's own account when the store is gone or stuck: so is its host (rank 0 under srun)."""
+        after, (host, port) = f"{self.context()} (exit {EXIT_LOADER})", self.address
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+            return Failure(0, EXIT_LOADER, (f"rank 0 ended without a word (killed? the OOM killer sends SIGKILL)" if
+                           stuck.gone else f"rank 0 stopped answering: the job's store it serves gave no answer for "
+                           f"{ACK_WAIT:g} s (a stopped or frozen process)") + f"; {after}", alive=False)
+        return Failure(self.rank, EXIT_LOADER, f"the job's store at {host}:{port} (torchrun's agent on rank 0's node) "
+                       f"{'closed' if stuck.gone else 'does not answer'}: the launcher or the job ended around this "
+                       f"rank; {after}")
+
+    def announce(self, failure: Failure) -> None:
+        with self.lock:
+            if self.announced:
+                return
+            self.announced = True
+        print(self.told(failure), file=sys.stderr, flush=True)
+        if self.rank == 0:
+            try:
+                log_file_only(failure.line)
+            except Exception:  # out.log unwritable: stderr has the line, and nothing may hide it
+                pass
+
+    def told(self, failure: Failure) -> str:  # a stop on request is no error
+        return f"{self.prog}: {'' if failure.code == EXIT_STOPPED else 'error: '}{failure.line}"
+
+    def done(self) -> None:
+        """Say that this rank will not call the store again (rank 0 under srun serves it until all have)."""
+        with contextlib.suppress(Stuck):
+            self.ask(lambda: self.store.set(f"seen/{self.rank}", ""))
+
+    def close(self, ok: bool) -> None:
+        """At this rank's end: stop the listener, say so; a rank that serves the store waits for the others."""
+        self.closed.set()
+        self.signals.wake()
+        self.thread.join(timeout=ACK_WAIT + 2)
+        if self.ending is None:
+            self.done()
+            if self.hosts_store and ok:
+                with contextlib.suppress(Stuck):
+                    self.seen(list(range(1, self.world_size)), self.timeout)
+        self.signals.restore(unread=not self.thread.is_alive())
+        _FORKING_RANK[0] = False
+
+    def run(self) -> None:
+        while not self.closed.is_set():  # roll calls are answered while the main thread ends too
+            caught = self.signals.wait(1.0)
+            try:
+                first = self.first()
+                n = self.ask(lambda: self.store.add("roll", 0))
+                for k in range(self.answered + 1, n + 1):
+                    self.ask(lambda: self.store.append(f"here/{k}", f"{self.rank},"))
+                self.answered = n
+                if first is None and caught and self.ending is None:
+                    first = self.signalled(caught[0])
+            except Stuck as stuck:
+                first = self.store_gone(stuck)
+            if first is not None and self.ending is None:
+                self.conclude(first)
+
+    def signalled(self, signum: int) -> Optional[Failure]:
+        """A SIGTERM or SIGUSR1: with a rank not answering nothing can be saved; during start-up, a stop."""
+        ours = self.signals.ours(signum)  # the loop's StopRequest does not hold it yet: nothing to save
+        missing, name, after = self.missing(), signal.Signals(signum).name, self.context()
+        if missing:
+            return self.record(Failure(missing[0], EXIT_LOADER, (
+                f"{ranks_text(missing)} has not answered for {ROLL_CALL:g} s (killed or frozen) and rank {self.rank} "
+                f"got {name}: nothing can be saved without every rank; {after} (exit {EXIT_LOADER})"), alive=False))
+        if ours:
+            return self.record(Failure(self.rank, EXIT_STOPPED, f"rank {self.rank} got {name} during start-up; "
+                                       f"{after} (exit {EXIT_STOPPED})"))
+        return None
+
+    def conclude(self, failure: Failure) -> None:
+        """End this rank with ``failure`` (the main thread, if it begins to within ``TAKEOVER``, does)."""
+        failure = self.decide(failure)
+        if self.rank == failure.announcer:
+            self.announce(failure)
+        self.done()
+        deadline = time.monotonic() + TAKEOVER
+        while time.monotonic() < deadline and self.ending is None:
+            time.sleep(0.05)
+        if self.ending is None:
+            end_process(failure.code, self.flushers)
+
+
+def end_process(code: int, flushers=()) -> None:
+    """Exit now, from the listener (the main thread is blocked or busy): what the run logged is flushed
+    (``flushers``: tensorboard's events), and no loader worker is left behind."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    for flush in [*flushers, *(h.flush for h in logging.getLogger(LOGGER_NAME).handlers), sys.stdout.flush,
+                  sys.stderr.flush]:
+        try:
+            flush()
+        except Exception:  # an unwritable log must not keep the process from ending
+            pass
+    os._exit(code)
+
+
+_FORKING_RANK = [False]  # this process is a rank of a run of several processes
+
+
+def _leave_connections_behind() -> None:
+    """In a child forked from a rank (a loader worker): close its copies of the rank's network connections, so
+    that the rank's death closes them for its peers at once (a store call would hang meanwhile)."""
+    if not _FORKING_RANK[0]:
+        return
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # not Linux: the children keep them, and a rank's death is seen when they end
+        return
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket (or the listing's own descriptor, closed by now)
+            continue
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.close()
+        else:
+            sock.detach()
+
+
+os.register_at_fork(after_in_child=_leave_connections_behind)
