@@ -4,7 +4,7 @@ PY := .venv/bin/python
 # many tests start 2-4 processes of their own. TEST_JOBS=0 runs them all in this one process.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
-.PHONY: setup setup-test test test-fast demo table clean-venv
+.PHONY: setup setup-test test test-fast refresh-upstream-record demo table clean-venv
 
 # the runtime dependencies only (demo, table); setup-test adds the test extra
 setup:
@@ -19,6 +19,11 @@ test: setup-test
 # The unit tier (tests/unit: one process each, no subprocess or loader worker), before every commit.
 test-fast: setup-test
 	$(PY) -m pytest -q tests/unit
+
+# The plain run of upstream's own tests at the pinned commit, recorded for test_upstream_suite.py: after a new pin,
+# another list of upstream's files, or another torch or timm.
+refresh-upstream-record: setup-test
+	$(PY) tests/upstream_suite.py
 
 demo: setup
 	.venv/bin/naflex-accum demo
