@@ -1,7 +1,9 @@
 # The README's commands. Each one sets up .venv first (scripts/setup.sh), so a fresh clone works.
 PY := .venv/bin/python
 # Test files run in parallel, one file per process (their fixtures are per file); at most 4 processes, since
-# many tests start 2-4 processes of their own. TEST_JOBS=0 runs them all in this one process.
+# many tests start 2-4 processes of their own. TEST_JOBS=0 runs them all in this one process. Files go to the
+# workers in collection order, which tests/conftest.py makes longest first (--no-loadscope-reorder: xdist would
+# otherwise order them by their number of tests).
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ "$$n" -gt 4 ] && n=4; echo $$n)
 
 .PHONY: setup setup-test test test-fast refresh-upstream-record demo table clean-venv
@@ -14,7 +16,7 @@ setup-test:
 	@bash scripts/setup.sh test
 
 test: setup-test
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 # The unit tier (tests/unit: one process each, no subprocess or loader worker), before every commit.
 test-fast: setup-test
