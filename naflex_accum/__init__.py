@@ -6,10 +6,8 @@ accumulation mode (``cached-loss``, the window loss once per window), the step t
 once per microbatch, as upstream). Importing this package changes nothing in open_clip or timm:
 patching happens only when ``install()`` or ``patched()`` is called. Nor does it import torch: each
 name below loads its module on first use, so an entry point can make Ctrl-C one line (``interrupt``)
-before torch's import starts.
+before torch's import starts, or any other import (the console script imports this package first).
 """
-import importlib
-
 __version__ = "0.1.0"
 
 # name -> (module, attribute); THE drop-in is the default mode's step itself (so its name says which mode)
@@ -30,5 +28,6 @@ __all__ = [*_EXPORTS, "__version__"]
 def __getattr__(name):
     if name in _EXPORTS:
         module, attribute = _EXPORTS[name]
-        return getattr(importlib.import_module(module, __name__), attribute)
+        from importlib import import_module  # here, not at the top: the package imports nothing (see above)
+        return getattr(import_module(module, __name__), attribute)
     raise AttributeError(f"module 'naflex_accum' has no attribute {name!r}")

@@ -4,16 +4,32 @@ Invariant: a bad input exits 2 with one ``naflex-accum <cmd>: error: ...`` line
 and no traceback, Ctrl-C one ``naflex-accum <cmd>: interrupted`` line and exit
 130 (``interrupt``); subcommand modules are imported only when chosen, so
 ``naflex-accum --help`` stays fast and nothing is patched by merely running it.
+Importing this module sets up Ctrl-C (``interrupt.install``, which leaves a
+handler someone else set alone): the console script imports it first thing,
+and its first statement does it, so that a Ctrl-C during any of the imports
+is the same one line (the window left is Python's own start-up).
 """
-import argparse
-import importlib
-import os
-import sys
-from typing import List, Optional
+try:  # first (see the module docstring)
+    from .interrupt import finished, install as install_interrupt, interrupted
 
-from . import __version__
-from .errors import UsageError
-from .interrupt import finished, install as install_interrupt, interrupted
+    install_interrupt()
+    import argparse
+    import importlib
+    import os
+    import sys
+    from typing import List, Optional
+
+    from . import __version__, output
+    from .errors import UsageError, last_word
+except KeyboardInterrupt:
+    import sys  # built in: loaded before any code runs
+
+    _command = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else ""
+    if getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", "") == "naflex_accum.train.__main__":
+        _command = "train"  # python -m naflex_accum.train ARGS
+    print(f"naflex-accum {_command}".rstrip() + ": interrupted", file=sys.stderr, flush=True)
+    exec("pass")  # as interrupt.interrupted does, which may not be imported yet
+    raise SystemExit(130) from None
 
 # name -> (module under naflex_accum.commands, one-line help)
 COMMANDS = {
@@ -25,6 +41,11 @@ COMMANDS = {
     "verify": ("verify", "audit split invariance of the step training would use, on this install"),
     "table": ("table", "print the full split-invariance table (docs/equivalence.md)"),
 }
+
+
+def _prog(argv) -> str:
+    """The name a one-line message begins with: ``naflex-accum COMMAND``, or ``naflex-accum`` before one."""
+    return f"naflex-accum {argv[0]}" if argv and argv[0] in COMMANDS else "naflex-accum"
 
 
 def _module(name: str):
@@ -50,9 +71,10 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
             finished()  # from here on a Ctrl-C changes nothing
         return code
     except UsageError as exc:
-        print(f"naflex-accum {name}: error: {exc}", file=sys.stderr)
+        print(last_word(f"naflex-accum {name}: error: {exc}"), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        last_word(f"naflex-accum {name}: interrupted")
         return interrupted(f"naflex-accum {name}")
 
 
@@ -62,17 +84,30 @@ EXIT_FILE_ENV = "NAFLEX_ACCUM_EXIT_FILE"
 def entry(argv: Optional[List[str]] = None) -> int:
     """``main`` for a process that ends with the command (the console script, ``python -m``).
 
-    Ctrl-C is one line and exit 130 at any moment (``interrupt``, set up before the command's imports). With
-    ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there: torchrun exits 1 whatever status
-    its workers had, and a cluster script that requeues on 74 reads the trainer's own from the file.
+    Ctrl-C is one line and exit 130 at any moment (``interrupt``, set up before the command's imports); a
+    reader of its output that goes away (``| head``) ends nothing (``output``). With
+    ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there, with the one line the process
+    ended with under it: torchrun exits 1 whatever status its workers had, and a cluster script that requeues
+    on 74 reads the trainer's own from the file, and prints the line in its job log.
     """
     install_interrupt()
     code = 1  # what an exception leaving here means
+    last_word("")
     try:
+        output.install()  # | head: the command goes on to its own end and status (``output``)
         code = main(argv, ends_process=True)  # a scheduler's SIGTERM after a run has saved must not kill it
         return code
+    except KeyboardInterrupt:  # before main's own try (its parser): the same one line
+        code = interrupted(_prog(sys.argv[1:] if argv is None else argv))
+        return code
+    except Exception as exc:  # a bug: its traceback follows on stderr
+        if not last_word():
+            lines = str(exc).strip().splitlines()
+            last_word(f"{type(exc).__name__}: {lines[0] if lines else ''} (a bug: the traceback is in the output)")
+        raise
     finally:
         finished()
+        output.flush()
         _record_exit(code)
 
 
@@ -83,7 +118,7 @@ def _record_exit(code: int) -> None:
     tmp = f"{path}.{os.getpid()}"
     try:  # every rank of a job writes the same class (train.peers); the last replace stands
         with open(tmp, "w") as f:
-            f.write(f"{code}\n")
+            f.write(f"{code}\n{last_word()}\n" if code else f"{code}\n")
         os.replace(tmp, path)
     except OSError as exc:
         print(f"naflex-accum: cannot write the exit status to ${EXIT_FILE_ENV}={path} ({exc})", file=sys.stderr)

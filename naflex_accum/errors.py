@@ -14,7 +14,8 @@ errors mean the storage went away, not that it is full or read-only. Nothing
 here imports the rest of the package. ``OneLineParser`` makes argparse's own
 errors (unknown flag, bad choice) follow the same rule instead of dumping the
 whole usage text; ``check_int`` is the one integer validator every setting goes
-through.
+through. ``last_word`` keeps the one line a
+process ended with, for ``$NAFLEX_ACCUM_EXIT_FILE`` (a cluster script's job log).
 """
 import argparse
 import errno as _errno
@@ -70,6 +71,17 @@ class PatchError(RuntimeError):
 
 class SelfCheckFailed(UsageError):
     """The installed step failed its audit on this run's task (one line; the runner exits 2)."""
+
+
+_LAST_WORD = [""]
+
+
+def last_word(line: Optional[str] = None) -> str:
+    """The one line this process ends with (``line`` sets it and is returned): the CLI writes it to
+    ``$NAFLEX_ACCUM_EXIT_FILE`` under the exit status, and launch/slurm.sbatch prints it in the job log."""
+    if line is not None:
+        _LAST_WORD[0] = line
+    return _LAST_WORD[0]
 
 
 def is_int_at_least(value, minimum: int) -> bool:

@@ -175,13 +175,20 @@ def create_model(
     return model
 
 
+def takes_flat_patches(patch_sizes: Optional[Sequence[int]]) -> bool:
+    """Whether the tower built for ``patch_sizes`` takes flattened ``[B, L, P*P*C]`` patches (one size: its own
+    patch embedding's) rather than unflattened ``[B, L, P, P, C]`` ones of any size (several): every batch the
+    model is given, trained or evaluated, is shaped by this."""
+    return patch_sizes is None or len(patch_sizes) < 2
+
+
 def model_config(name_or_config="naflex-tiny", *, siglip: Optional[bool] = None,
                  patch_dropout: Optional[float] = None, drop_path: Optional[float] = None,
                  patch_sizes: Optional[Sequence[int]] = None) -> dict:
     """The open_clip ``model_cfg`` ``create_model`` builds ``CLIP`` from (a copy; see there for the options):
     the same dict builds the same model in open_clip's own factory (after ``register()``)."""
     cfg = copy.deepcopy(name_or_config if isinstance(name_or_config, dict) else load_config(name_or_config))
-    if patch_sizes is not None and len(patch_sizes) > 1:
+    if not takes_flat_patches(patch_sizes):
         tower = cfg["vision_cfg"].get("timm_model_name")
         if not tower:
             raise ValueError(f"--naflex-patch-sizes {' '.join(map(str, patch_sizes))}: several patch sizes need a "

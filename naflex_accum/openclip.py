@@ -1,16 +1,28 @@
 """``python -m naflex_accum.openclip ARGS`` (and ``torchrun ... -m naflex_accum.openclip ARGS``): upstream open_clip
 main's trainer with the fixed step installed. The runner itself is ``naflex_accum.upstream.runner``, imported
 on the first call (it imports torch and open_clip): a Ctrl-C at any moment, that import included, is one
-``naflex_accum.openclip: interrupted`` line and exit 130 (``interrupt``)."""
-import sys
-from typing import List, Optional
+``naflex_accum.openclip: interrupted`` line and exit 130 (``interrupt``), set up by the first statement of
+``python -m`` (importing this module changes nothing)."""
+try:  # first: a Ctrl-C from here on is the one line
+    from .interrupt import finished, install, interrupted
 
-from .interrupt import finished, install, interrupted
+    if __name__ == "__main__":
+        install()
+    import sys
+
+    from . import output
+except KeyboardInterrupt:
+    import sys  # built in: loaded before any code runs
+
+    print("naflex_accum.openclip: interrupted", file=sys.stderr, flush=True)
+    exec("pass")  # as interrupt.interrupted does, which may not be imported yet
+    raise SystemExit(130) from None
 
 PROG = "naflex_accum.openclip"  # the name the runner's one-line messages begin with
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv=None) -> int:
+    """Upstream's main with the fixed step, on ``argv`` (a list of strings; default ``sys.argv[1:]``)."""
     from .upstream.runner import main as run  # here, not at the top: see the module's docstring
     return run(argv)
 
@@ -18,6 +30,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def entry() -> int:
     install()
     try:
+        output.install()  # | head: the run goes on to its own end and status (``output``)
         code = main()
         finished()  # from here on a Ctrl-C changes nothing
         return code
@@ -25,6 +38,7 @@ def entry() -> int:
         return interrupted(PROG)
     finally:
         finished()
+        output.flush()
 
 
 if __name__ == "__main__":

@@ -14,14 +14,8 @@ import torch.nn as nn
 from open_clip.loss import ClipLoss, CoCaLoss, SigLipLoss
 
 from .accum.step import total_loss
-from .accum.window import is_naflex_batch
+from .accum.window import is_naflex_batch, unwrap
 from .data.patches import normalize_patches
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """The model inside DDP and/or torch.compile wrappers."""
-    module = getattr(module, "module", module)
-    return getattr(module, "_orig_mod", module)
 
 
 def _report(source: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

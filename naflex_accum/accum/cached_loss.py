@@ -10,7 +10,8 @@ step's floating-point leaves and logit values are differentiated. Each leaf's
 gradient is split by that key's recorded per-microbatch lengths, and each
 microbatch back-propagates its slices through its live outputs (its replay,
 or for the last one the graph of its caching forward), times ``replay_scale``;
-the logit values that ``logit_inputs`` leaves attached take their gradient there.
+the logit values ``logit_inputs`` gives each backward take their gradient there
+(a zero one except in the final backward).
 """
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple

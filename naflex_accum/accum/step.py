@@ -6,6 +6,11 @@ the gradient of one full-batch backward of the window's loss, whatever the
 split: the scale is computed once from all sizes, the logit parameters
 (``logit_scale``, ``logit_bias``) take their gradient in one backward only, and
 each replayed microbatch draws the same random masks as its caching pass.
+Every backward of a window reaches the same parameters: the logit values take
+part in the others too, with a zero gradient (``zero_gradient``, exact), since
+FSDP2 under a ``param_dtype`` policy keeps the gradients that accumulate without
+sync in its ``reduce_dtype`` and reduce-scatters a unit only when all of its
+gradients share one dtype, and DDP needs every parameter in the synced one.
 
 Order of work in a window of k: microbatches 0..k-2 are cached without grad as
 they arrive; the last one's caching forward runs *with* grad and keeps its graph
@@ -19,11 +24,13 @@ Signature and return contract match upstream's, in the generation the step
 was built for (``contract.Contract``; ``None`` follows the task's own form):
 ``None`` while a window fills, else ``(losses, report, step_batch_size, ([], {}))``
 (or ``(losses, step_batch_size, ([], {}))`` in the older generation). A
-state passed again after its window closed, copied or mixed with another
-window's, or filled through two models is refused before the microbatch's
-forward (``window.window_cache``, ``WindowCache.check_model``). Task
-results go through ``task_result``, which refuses a form the contract does not
-know before the step uses it.
+state passed again after its window closed, mixed with another window's, or
+filled through two models is refused before the microbatch's forward
+(``window.window_cache``, ``WindowCache.check_model``). A call whose forward
+fails leaves the window as it was (that microbatch can be given again); once
+a window's outputs are all kept its backward has begun, and a failure from
+there on closes it. Task results go through ``task_result``, which refuses a
+form the contract does not know before the step uses it.
 The hooks (GradCache style) mean the same in both modes, so a variant, or a
 reference bug, overrides one decision and gets it in both:
 ``replay_scale(window, j)`` multiplies microbatch j's gradient,
@@ -41,11 +48,27 @@ from .contract import Contract, task_result
 from .rng import RngState
 from .scales import check_options, window_is_naflex, window_loss_scale
 from .sync import grad_sync
-from .window import (CLOSED, LOGIT_KEYS, WINDOW_KEY, Microbatch, Window, WindowCache, is_naflex_batch,
+from .window import (LOGIT_KEYS, SPENT, STEPPED, WINDOW_KEY, Microbatch, Window, WindowCache, is_naflex_batch,
                      microbatch_size, window_cache)
 
 __all__ = ["AccumulationStep", "LOGIT_KEYS", "Microbatch", "Window", "WINDOW_KEY", "backward", "detach_values",
            "finish_step", "is_naflex_batch", "total_loss"]
+
+
+class _ZeroGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value):
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(grad)
+
+
+def zero_gradient(value: torch.Tensor) -> torch.Tensor:
+    """``value`` itself in the forward, a zero gradient back to its parameter: a backward reaches the parameter
+    and adds nothing to its gradient (a detached value would leave it out)."""
+    return _ZeroGradient.apply(value) if value.requires_grad else value
 
 
 def total_loss(losses: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -107,13 +130,15 @@ class AccumulationStep:
         return window.scale
 
     def logit_inputs(self, model_out: dict, j: int, final: bool) -> dict:
-        """The logit values microbatch ``j``'s backward sees: attached (taking gradient) in the final one only.
+        """The logit values microbatch ``j``'s backward sees: taking gradient in the final one only.
 
         Every microbatch's backward carries the whole window's loss, so live
-        logit values in each would count their gradient k times. The final
-        backward is the synced one, so under DDP every parameter takes part in it.
+        logit values in each would count their gradient k times; the others pass
+        them through ``zero_gradient``, so each backward still reaches the logit
+        parameters (FSDP2 mixed precision, module docstring). The final backward
+        is the synced one, so under DDP every parameter takes its gradient there.
         """
-        return {key: (model_out[key] if final else model_out[key].detach())
+        return {key: (model_out[key] if final else zero_gradient(model_out[key]))
                 for key in LOGIT_KEYS if key in model_out}
 
     def replay_rng(self, microbatch: Microbatch):
@@ -145,20 +170,27 @@ class AccumulationStep:
             return self.single_step(task, batch, accum_state, optimizer, scaler, autocast, args)
         if accum_state is None:
             raise StepError("--accum-freq > 1 needs accum_state=([], {}) from the training loop; got None.")
-        cache = window_cache(accum_state)  # refuses a closed, copied or mixed state
+        cache = window_cache(accum_state)  # refuses a closed or mixed state
         accum_batches, accum_features = accum_state
-        cache.microbatches.append(self.admit(task, batch, cache, args))
+        cache.take(self.admit(task, batch, cache, args), batch)
         accum_batches.append(batch)
-        if len(accum_batches) < k:
-            self.cache(task, batch, cache, autocast)
-            return None
-
-        accum_features[WINDOW_KEY] = CLOSED  # spent from here on, even if the backward fails
-        window = self.make_window(cache.microbatches, args)
+        try:
+            if len(accum_batches) < k:
+                self.cache(task, batch, cache, autocast)
+                return None
+            window = self.make_window(cache.microbatches, args)
+            optimizer.zero_grad()
+            losses, report, spoken = self.backward_window(task, window, cache, accum_batches, scaler, autocast)
+            finish_step(task, optimizer, scaler, args)
+        except BaseException:
+            if cache.added < len(accum_batches):  # its forward failed, so no backward ran: undo this microbatch
+                cache.forget_last()
+                accum_batches.pop()
+            else:  # the window's backward had begun: its gradients are partial, its cached outputs may be spent
+                accum_features[WINDOW_KEY] = SPENT
+            raise
+        accum_features[WINDOW_KEY] = STEPPED
         self.window_scale = window.scale
-        optimizer.zero_grad()
-        losses, report, spoken = self.backward_window(task, window, cache, accum_batches, scaler, autocast)
-        finish_step(task, optimizer, scaler, args)
         self.steps += 1
         return spoken.step_result(losses, report, sum(window.sizes), ([], {}))
 

@@ -11,17 +11,21 @@ that shows it, with one line naming the key and the shapes: neither mode could
 build the loss inputs from it.
 
 The bookkeeping rides in the ``accum_state`` it belongs to (``window_cache``),
-counts as many microbatches as that state's batch list holds, and keeps the
-model of its first microbatch, so a state passed again after its window closed,
-one whose batches and bookkeeping disagree (two states sharing one window's
-bookkeeping, a batch added by hand, a call on it that failed midway) and a
-window filled through two models are each refused in one line before the
-microbatch's forward: Python-side counts and identity, no tensor work.
+holds the very batch objects of that state's batch list, and a weak reference
+to the model of its first microbatch (a deep copy of the state keeps it, so
+the copy is a window of its own through the same model). So a state passed
+again after its window closed (a pickle or copy of it too), one whose batches
+and bookkeeping disagree (two states sharing one window's bookkeeping, a batch
+added or replaced by hand) and a window filled through two models are each
+refused in one line before the microbatch's forward: Python-side counts and
+identity, no tensor work. A batch's tensors changed in place are not seen.
 """
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.nn as nn
 
 from ..errors import StepError, is_positive_int
 from .rng import RngState
@@ -29,9 +33,11 @@ from .rng import RngState
 LOGIT_KEYS = ("logit_scale", "logit_bias")
 # accum_features belongs to the step (upstream's loop only carries it between
 # calls), so the window's bookkeeping rides in it under a key no model emits;
-# once the window's optimizer step is under way the key holds CLOSED instead.
+# once the window's backward has begun the key holds a string saying why it is closed (a string, so a
+# pickled or copied closed state still reads as closed).
 WINDOW_KEY = "_naflex_accum_window"
-CLOSED = "closed"
+SPENT = "failed after its forwards (in its loss, backward or optimizer step)"
+STEPPED = "has already made its optimizer step"
 FRESH = "start each window with accum_state=([], {}) and pass the accum_state the step returned"
 
 
@@ -52,6 +58,36 @@ class Window:
     @property
     def sizes(self) -> List[int]:
         return [mb.size for mb in self.microbatches]
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper. torch.compile adds none: the trainer compiles in place
+    (``model.compile()``), and a ``torch.compile(model)`` wrapper passes attribute reads to the model."""
+    return getattr(module, "module", module)
+
+
+class ModelRef:
+    """A weak reference to microbatch 0's model: a (deep) copy of the state shares it; pickle cannot carry it,
+    so an unpickled window holds none."""
+
+    def __init__(self, module):
+        self.ref = weakref.ref(module)
+
+    def __call__(self):
+        return self.ref() if self.ref is not None else None
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __getstate__(self):
+        return {"ref": None}
+
+
+def _named(module) -> str:
+    return f"{type(module).__name__} at {id(module):#x}"
 
 
 def is_naflex_batch(batch) -> bool:
@@ -78,8 +114,9 @@ def _describe(value) -> str:
 class WindowCache:
     """The microbatches admitted so far and their cached outputs, in order."""
 
-    model: Any = None  # task.trainable_module of microbatch 0: every microbatch must come through it
+    model: Optional[ModelRef] = None  # microbatch 0's model (a compile wrapper aside): every one must come through it
     microbatches: List[Microbatch] = field(default_factory=list)
+    batches: List[Any] = field(default_factory=list)  # the batch objects admitted, to tell one replaced by hand
     features: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
     logits: Dict[str, torch.Tensor] = field(default_factory=dict)
     added: int = 0  # microbatches whose outputs are kept
@@ -91,12 +128,14 @@ class WindowCache:
         if missing:
             raise StepError(f"model output {missing[0]!r} is missing from microbatch {position} of the window "
                              f"(earlier microbatches had it); every microbatch must return the same keys.")
+        for key, value in model_out.items():  # every key checked before any is kept: a refusal keeps nothing
+            if key not in LOGIT_KEYS:
+                self._check(key, value, position)
         for key, value in model_out.items():
             if key in LOGIT_KEYS:
                 self.logits[key] = value.detach()  # parameters: the same for every microbatch
-                continue
-            self._check(key, value, position)
-            self.features.setdefault(key, []).append(value.detach())
+            else:
+                self.features.setdefault(key, []).append(value.detach())
         self.added += 1
 
     def _check(self, key: str, value, position: int) -> None:
@@ -117,15 +156,31 @@ class WindowCache:
                 f"in every microbatch.")
 
     def check_model(self, module) -> None:
-        """Refuse a microbatch that comes through another model than the window's first one."""
-        if self.model is None:
-            self.model = module
-        elif module is not self.model:
+        """Refuse a microbatch that comes through another model than the window's first one. A torch.compile
+        wrapper made anew around the same model is the same model; a DDP wrapper is not: the window's gradient
+        sync rides on the wrapper, so one window mixing DDP and its bare model would sync nothing."""
+        module, position = getattr(module, "_orig_mod", module), len(self.batches)
+        if not position:
+            self.model = ModelRef(module)
+            return
+        first = self.model() if self.model is not None else None
+        if first is None:
+            raise StepError(f"microbatch {position} of the window cannot be checked against microbatch 0's model: "
+                            f"the state was pickled, or that model no longer exists; {FRESH}.")
+        if module is not first:
             raise StepError(
-                f"microbatch {len(self.microbatches)} of the window came through another model "
-                f"(task.trainable_module, a {type(module).__name__}) than microbatch 0 (a "
-                f"{type(self.model).__name__}); a window's microbatches must all go through one model: "
-                f"{FRESH}, one per model.")
+                f"microbatch {position} of the window came through another model than microbatch 0 "
+                f"(task.trainable_module's: {_named(module)}; microbatch 0's: {_named(first)}); a window's "
+                f"microbatches must all go through one model: {FRESH}, one per model.")
+
+    def take(self, record: Microbatch, batch) -> None:
+        self.microbatches.append(record)
+        self.batches.append(batch)
+
+    def forget_last(self) -> None:
+        """Undo the last ``take`` (its forward failed, so none of its outputs are kept)."""
+        self.microbatches.pop()
+        self.batches.pop()
 
     def lengths(self, key: str) -> List[int]:
         return [t.shape[0] for t in self.features[key]]
@@ -148,16 +203,20 @@ def window_cache(accum_state) -> WindowCache:
                         f"{type(accum_state).__name__}{parts}.")
     batches, features = accum_state
     cache = features.get(WINDOW_KEY)
-    if cache is CLOSED:
-        raise StepError(f"this accum_state's window has already made its optimizer step, so it cannot take "
-                        f"another microbatch; {FRESH}.")
+    if isinstance(cache, str):
+        raise StepError(f"this accum_state's window {cache}, so it cannot take another microbatch; {FRESH}.")
     if cache is None:
         if batches:
             raise StepError(f"accum_state has {len(batches)} in its batch list but this step admitted none of them "
                             f"(a window begun by another step, or a used state's batch list); {FRESH}.")
         cache = features[WINDOW_KEY] = WindowCache()
-    elif not len(batches) == len(cache.microbatches) == cache.added:
+    elif not len(batches) == len(cache.batches) == cache.added:
         raise StepError(f"accum_state has {len(batches)} in its batch list but its window kept outputs of "
-                        f"{cache.added} (a state copied or mixed with another, a batch added by hand, or a call "
-                        f"on it that failed midway); {FRESH}.")
+                        f"{cache.added} (a state copied or mixed with another, or a batch added by hand); {FRESH}.")
+    else:
+        replaced = next((j for j, (b, kept) in enumerate(zip(batches, cache.batches)) if b is not kept), None)
+        if replaced is not None:
+            raise StepError(f"accum_state's batch list holds another batch at position {replaced} than the one the "
+                            f"step admitted there (a batch replaced by hand, or a state mixed with another); "
+                            f"{FRESH}.")
     return cache

@@ -13,7 +13,7 @@ folder beside DIR and renamed into place, so a failed or interrupted (Ctrl-C) on
 leaves nothing; it never writes over anything: an existing non-empty DIR is refused.
 The model comes from ``--model``, else from the ``params.txt`` of the run folder
 holding CHECKPOINT. A model trained with several ``--naflex-patch-sizes`` (the
-checkpoint's schedule, else that params.txt) exports as the trainer built it,
+checkpoint's own record, else its schedule, else that params.txt) exports as the trainer built it,
 taking every patch size (``models.any_patch_size``); both configs record the
 sizes as ``naflex_patch_sizes``. Every bad input is one line, exit 2.
 """
@@ -70,7 +70,7 @@ def export(checkpoint, folder, model_name: Optional[str] = None) -> List[str]:
             raise UsageError(f"CHECKPOINT {checkpoint}: no run folder's params.txt above it names the model; pass "
                              f"--model ({', '.join(list_models())}, or a JSON config)")
         source, model_name = params, entries["model"]
-    sizes = trained_patch_sizes(payload, f"CHECKPOINT {checkpoint}: its schedule", params, entries)
+    sizes = trained_patch_sizes(payload, f"CHECKPOINT {checkpoint}", params, entries)
     weights = payload["state_dict"]
     if not isinstance(weights, dict) or not weights or not all(torch.is_tensor(v) for v in weights.values()):
         raise UsageError(f"CHECKPOINT {checkpoint}: its state_dict holds no tensors")
@@ -115,13 +115,16 @@ def run_params(checkpoint: Path) -> Tuple[Optional[str], Dict[str, str]]:
     return None, {}
 
 
-def trained_patch_sizes(payload: dict, schedule_name: str, params: Optional[str],
+def trained_patch_sizes(payload: dict, name: str, params: Optional[str],
                         entries: Dict[str, str]) -> Optional[List[int]]:
-    """The ``--naflex-patch-sizes`` the checkpoint was trained with: its own schedule (a mid-epoch checkpoint's),
-    else the run's params.txt; None where neither records them (the model's own size)."""
+    """The ``--naflex-patch-sizes`` the checkpoint was trained with: its own record (``train.resume``), else its
+    schedule (a mid-epoch checkpoint's before checkpoints had the record), else the run's params.txt (which a
+    resume with other sizes does not change); None where none records them (the model's own size)."""
     schedule = payload.get("schedule")
-    if isinstance(schedule, dict) and "naflex_patch_sizes" in schedule:
-        where, sizes = schedule_name, schedule["naflex_patch_sizes"]
+    if "naflex_patch_sizes" in payload:
+        where, sizes = name, payload["naflex_patch_sizes"]
+    elif isinstance(schedule, dict) and "naflex_patch_sizes" in schedule:
+        where, sizes = f"{name}: its schedule", schedule["naflex_patch_sizes"]
     elif "naflex_patch_sizes" in entries:
         where, sizes = params, entries["naflex_patch_sizes"]
         try:

@@ -19,7 +19,7 @@ import torch
 from ..interrupt import deferred
 from .alarm import bounded
 from .handover import Receiver
-from .workers import lost, raise_pending, read_failed, register as register_workers
+from .workers import context, lost, of, raise_pending, read_failed, register as register_workers
 
 log = logging.getLogger(__name__)
 LOG_LIMIT = 20
@@ -103,9 +103,11 @@ def pinned(batch):
 
 
 def torch_loader(dataset, workers: int, pin_memory: bool, persistent: bool = False):
+    """torch's DataLoader, its worker processes started through a recording ``workers.context()``."""
     return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_passthrough,
                                        pin_memory=pin_memory and torch.cuda.is_available(),
-                                       persistent_workers=persistent, worker_init_fn=init_worker)
+                                       persistent_workers=persistent, worker_init_fn=init_worker,
+                                       multiprocessing_context=context() if workers else None)
 
 
 def iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -> Iterator:
@@ -115,9 +117,10 @@ def iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -
     this process, the read and its ``pipe:`` commands (``alarm``).
     """
     with deferred():  # a Ctrl-C while the workers start acts once they are registered, so they get stopped
-        source = iter(source)
-        watch = register_workers(source, timeout)  # a failure names its worker; the run's end stops them all
-    waiting = watch.waiting if getattr(source, "_workers", None) else functools.partial(bounded, timeout)
+        loader, source = source, iter(source)
+        processes = of(loader)
+        watch = register_workers(source, processes, timeout)  # a failure names its worker; the run's end stops all
+    waiting = watch.waiting if processes else functools.partial(bounded, timeout)
     pin = pin_memory and torch.cuda.is_available()
     while True:
         raise_pending()  # a worker that died while the batch before was used fails the run here
@@ -125,7 +128,7 @@ def iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -
             try:
                 item = next(source, None)
             except Exception as exc:
-                dead = lost(source) if read_failed(exc) else None
+                dead = lost(processes) if read_failed(exc) else None
                 if dead is None:
                     raise
                 raise dead from exc

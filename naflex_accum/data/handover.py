@@ -44,10 +44,9 @@ def new_flags(workers: int) -> torch.Tensor:
 
 
 def fresh_shared(numel: int) -> torch.Tensor:
-    """A uint8 tensor (patch memory) of ``numel`` elements in new shared memory, as torch's ``default_collate``
-    makes in a worker."""
-    empty = torch.empty(0, dtype=torch.uint8)
-    return empty.new(empty._typed_storage()._new_shared(numel))
+    """A uint8 tensor (patch memory) of ``numel`` elements in new shared memory, which crosses to the main
+    process without a copy (its never-written pages cost ~0.3 ms per 6 MB to move there: ``share_memory_``)."""
+    return torch.empty(numel, dtype=torch.uint8).share_memory_()
 
 
 class SlotRef:

@@ -125,10 +125,11 @@ class LabelledBatches(torch.utils.data.IterableDataset):
     zero-shot accuracy is measured on the pixels training sees.
     """
 
-    def __init__(self, source, seq_len: int, patch_size: int, batch_size: int, decode: str = "scaled"):
+    def __init__(self, source, seq_len: int, patch_size: int, batch_size: int, decode: str = "scaled",
+                 flatten: bool = True):
         super().__init__()
         self.source, self.seq_len, self.patch_size, self.batch_size = source, seq_len, patch_size, batch_size
-        self.decode = decode
+        self.decode, self.flatten = decode, flatten
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -142,8 +143,8 @@ class LabelledBatches(torch.utils.data.IterableDataset):
                 continue
             labels.append(label)
             if len(items) == self.batch_size:
-                yield patchify_images(items, self.seq_len, self.patch_size), torch.tensor(labels)
+                yield patchify_images(items, self.seq_len, self.patch_size, self.flatten), torch.tensor(labels)
                 items, labels = [], []
         if items:
-            yield patchify_images(items, self.seq_len, self.patch_size), torch.tensor(labels)
+            yield patchify_images(items, self.seq_len, self.patch_size, self.flatten), torch.tensor(labels)
         yield None, problems

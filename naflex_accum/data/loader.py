@@ -32,7 +32,7 @@ from .samples import IMAGE_EXTS, Corruption, shard_samples
 from .schedule import BatchSpec, DataConfig, Schedule
 from .shards import expand_sources, expand_urls, shard_weights
 from .slots import DataIndex
-from .workers import stop as stop_workers
+from .workers import of as worker_processes, stop as stop_workers
 
 log = logging.getLogger(__name__)
 RING_LOOKAHEAD = 4  # batches past the one delivered that get a ring buffer: more than workers run ahead
@@ -189,9 +189,8 @@ class TrainLoader:
 
     def close(self) -> None:
         """Stop the persistent workers (also done when the process exits); the next epoch starts new ones."""
-        iterator = getattr(self._workers, "_iterator", None)
-        if iterator is not None:
-            stop_workers(iterator)
+        if self._workers is not None:
+            stop_workers(worker_processes(self._workers))
         self._workers = self._receiver = None
 
     def __iter__(self) -> Iterator[Dict]:
@@ -242,12 +241,13 @@ class TrainLoader:
 
 
 class ValLoader:
-    """Every held-out sample once, in a fixed order, in batches of ``batch_size`` (the last may be smaller)."""
+    """Every held-out sample once, in a fixed order, in batches of ``batch_size`` (the last may be smaller), their
+    patches flattened or not (``flatten``: as the model's tower takes them, ``models.takes_flat_patches``)."""
 
     def __init__(self, val_data: str, tokenizer: Callable, seq_len: int = 144, batch_size: int = 64,
                  patch_size: int = 16, workers: int = 0, pin_memory: bool = False, decode: str = "scaled",
-                 timeout: float = 0.0):
-        self.urls, self.timeout = expand_urls(val_data, "--val-data"), timeout
+                 timeout: float = 0.0, flatten: bool = True):
+        self.urls, self.timeout, self.flatten = expand_urls(val_data, "--val-data"), timeout, flatten
         self.decode = check_mode(decode)
         self.seq_len = check_int(seq_len, "val seq_len", 1, "an integer >= 1")
         self.batch_size = check_int(batch_size, "val batch_size", 1, "an integer >= 1")
@@ -270,7 +270,8 @@ class ValLoader:
     def __iter__(self) -> Iterator[Dict]:
         counter = EpochCounter("--val-data")
         self.stats = counter.stats
-        stream = ValStream(self.urls, self.seq_len, self.batch_size, self.patch_size, self.tokenizer, self.decode)
+        stream = ValStream(self.urls, self.seq_len, self.batch_size, self.patch_size, self.tokenizer, self.decode,
+                           self.flatten)
         count = min(self.workers, len(self.urls))
         source = iterate(torch_loader(stream, count, self.pin_memory) if count else stream, self.pin_memory,
                           Receiver(), self.timeout)
@@ -349,6 +350,7 @@ def make_train_loader(cfg: DataConfig, tokenizer: Callable, pin_memory: bool = F
 
 def make_val_loader(val_data: str, tokenizer: Callable, seq_len: int = 144, batch_size: int = 64,
                     patch_size: int = 16, workers: int = 0, pin_memory: bool = False,
-                    decode: str = "scaled", timeout: float = 0.0) -> ValLoader:
+                    decode: str = "scaled", timeout: float = 0.0, flatten: bool = True) -> ValLoader:
     """The held-out loader (see ValLoader); ``timeout``: as ``DataConfig.timeout`` (0: none)."""
-    return ValLoader(val_data, tokenizer, seq_len, batch_size, patch_size, workers, pin_memory, decode, timeout)
+    return ValLoader(val_data, tokenizer, seq_len, batch_size, patch_size, workers, pin_memory, decode, timeout,
+                     flatten)

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from timm.data.naflex_transforms import get_image_size_for_seq, patchify_image
+from timm.data import patchify_image
+from timm.data.naflex_transforms import get_image_size_for_seq  # not re-exported by timm.data (pyproject.toml)
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2.functional import resize_image
 

@@ -237,9 +237,9 @@ class ValStream(torch.utils.data.IterableDataset):
     """Held-out batches in a fixed order: shards in the given order (worker w reads shards w, w+W, ...)."""
 
     def __init__(self, urls: Sequence[str], seq_len: int, batch_size: int, patch_size: int, tokenizer: Callable,
-                 decode: str = "scaled"):
+                 decode: str = "scaled", flatten: bool = True):
         super().__init__()
-        self.decode = decode
+        self.decode, self.flatten = decode, flatten
         self.urls, self.seq_len, self.batch_size = list(urls), seq_len, batch_size
         self.patch_size, self.tokenize = patch_size, BatchTokenizer(tokenizer)
 
@@ -254,7 +254,7 @@ class ValStream(torch.utils.data.IterableDataset):
                                                   report, "--val-data", self.decode)
                 if not images:
                     break
-                batch = make_batch(images, captions, self.seq_len, self.patch_size, True, self.tokenize,
+                batch = make_batch(images, captions, self.seq_len, self.patch_size, self.flatten, self.tokenize,
                                    fresh_shared if workers else None)
                 item = batch, batch_meta(index, batch, report)
                 yield pack(item) if workers else item

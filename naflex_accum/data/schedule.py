@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence
 
-from timm.data.naflex_dataset import calculate_naflex_batch_size
+from timm.data import calculate_naflex_batch_size
 
 from ..errors import UsageError, check_int
 

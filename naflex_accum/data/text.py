@@ -38,7 +38,7 @@ class BatchTokenizer:
                 from open_clip import tokenizer as oc  # only when a tokenizer is open_clip's
                 tok = self.tokenizer
                 self._fast = (type(tok) is oc.SimpleTokenizer and tok.reduction_fn is None
-                              and tok.clean_fn is getattr(oc, "_clean_lower", None))
+                              and tok.clean_fn is oc.get_clean_fn("lower"))
             except (ImportError, AttributeError):
                 self._fast = False
         return self._fast

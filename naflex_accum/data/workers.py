@@ -1,7 +1,10 @@
 """Loader worker processes: registered when started, named when they fail, and never outliving the run.
 
-Invariant: every multi-process DataLoader iterator this process starts is
-registered here. torch's SIGCHLD handler raises a dead worker's error at
+Invariant: every multi-process DataLoader this process builds starts its
+workers through a ``context()`` that records each process as torch makes it
+(``DataLoader(multiprocessing_context=)``; ``of(loader)`` gives its current
+iterator's), and each of its iterators is registered here with them. torch's
+SIGCHLD handler raises a dead worker's error at
 once while the main thread waits for a batch (so a blocked trainer fails at
 once); anywhere else the error waits for the loader's next batch, or for the
 end of a ``held()`` block (a checkpoint write), because an exception raised
@@ -21,15 +24,16 @@ a worker that survived a failure.
 """
 import atexit
 import contextlib
+import multiprocessing
 import os
 import re
 import signal
 import threading
 import time
 import weakref
-from typing import Optional
+from typing import List, Optional
 
-_LIVE = weakref.WeakSet()  # DataLoader iterators whose worker processes may be alive
+_LIVE = weakref.WeakKeyDictionary()  # DataLoader iterators whose worker processes may be alive: their processes
 # Their processes, held strongly: an iterator collected without its workers stopped must not hide them.
 _PROCESSES: list = []
 _PENDING = []  # worker failures the SIGCHLD handler reported outside a batch wait or inside held(), not raised yet
@@ -37,11 +41,32 @@ _HELD = [0]  # how deep inside held() the main thread is
 _WAITING = [0]  # how many loaders the main thread is waiting on for a batch (only there may the handler raise)
 
 
+def context() -> multiprocessing.context.BaseContext:
+    """The default multiprocessing context, recording in ``.processes`` each process started through it."""
+    base = multiprocessing.get_context()
+
+    class Recording(type(base)):
+        def Process(self, *args, **kwargs):  # how a DataLoader iterator makes each of its workers
+            process = base.Process(*args, **kwargs)
+            self.processes.append(process)
+            return process
+    recording = Recording()
+    recording.processes = []
+    return recording
+
+
+def of(loader) -> List[multiprocessing.Process]:
+    """The worker processes of ``loader``'s current iterator, once ``iter(loader)`` started them: the newest
+    ``num_workers`` that its ``context()`` made ([] for a dataset, or a loader that reads in this process)."""
+    started = getattr(getattr(loader, "multiprocessing_context", None), "processes", None)
+    return started[-loader.num_workers:] if started else []
+
+
 class Watch:
     """One iterator's wait for its next batch: ``with watch.waiting(): next(it)``."""
 
-    def __init__(self, iterator=None, timeout: float = 0.0):
-        self.iterator, self.timeout = iterator, timeout
+    def __init__(self, processes=(), timeout: float = 0.0):
+        self.processes, self.timeout = list(processes), timeout
         self.since: Optional[float] = None
         self.expired: Optional[str] = None  # what the watchdog did, once it did
 
@@ -67,24 +92,25 @@ def _watchdog() -> None:
             since = watch.since
             if since is None or watch.expired or time.monotonic() - since < watch.timeout:
                 continue
-            pids = [w.pid for w in watch.iterator._workers if w.is_alive()]
+            pids = [w.pid for w in watch.processes if w.is_alive()]
             watch.expired = (f"the loader workers sent no batch for {watch.timeout:g} s (--data-timeout): stopped "
                              f"them (pids {', '.join(map(str, pids)) or 'none alive'})")
-            _kill(watch.iterator._workers)
+            _kill(watch.processes)
 
 
-def register(iterator, timeout: float = 0.0) -> Watch:
-    """Register a DataLoader iterator (a no-op for an in-process one); its ``Watch``, armed if ``timeout``."""
+def register(iterator, processes, timeout: float = 0.0) -> Watch:
+    """Register a DataLoader iterator and its worker ``processes`` (``of``; none: a no-op); its ``Watch``, armed
+    if ``timeout``."""
     global _WATCHDOG
-    if not getattr(iterator, "_workers", None):
+    if not processes:
         return Watch()
     if not _PROCESSES:
         # Runs before multiprocessing's own exit handler (registered earlier), which would wait on them.
         atexit.register(stop_all)
-    _PROCESSES[:] = [p for p in _PROCESSES if p.is_alive()] + [w for w in iterator._workers if w not in _PROCESSES]
-    _LIVE.add(iterator)
+    _PROCESSES[:] = [p for p in _PROCESSES if p.is_alive()] + [w for w in processes if w not in _PROCESSES]
+    _LIVE[iterator] = list(processes)
     _defer_sigchld()
-    watch = Watch(iterator, timeout)
+    watch = Watch(processes, timeout)
     if timeout > 0:
         _WATCHES.add(watch)
         if _WATCHDOG is None:
@@ -123,14 +149,14 @@ def read_failed(exc: BaseException) -> bool:
     return isinstance(exc, LOST) or (isinstance(exc, RuntimeError) and PIN_THREAD_DIED in str(exc))
 
 
-def lost(iterator) -> Optional[RuntimeError]:
-    """torch's error for a worker of ``iterator`` seen dead within ``LOST_GRACE`` s, after a read from it failed.
+def lost(processes) -> Optional[RuntimeError]:
+    """torch's error for one of the worker ``processes`` seen dead within ``LOST_GRACE`` s, after a read from it
+    failed.
 
     A killed worker's sockets close before the kernel lets it be reaped, so the main
     thread's read of its batch (the queue, or the descriptor hand-over of its shared
     memory) can fail with ``ConnectionResetError`` while torch's own check still sees
     the worker alive and re-raises that read error, which names no worker."""
-    processes = getattr(iterator, "_workers", None) or []  # none: an in-process loader
     deadline = time.monotonic() + LOST_GRACE
     while processes:
         dead = [w for w in processes if w.exitcode not in (None, 0)]
@@ -161,7 +187,7 @@ def held():
 
 
 def _workers():
-    return [(i, len(it._workers), w) for it in list(_LIVE) for i, w in enumerate(it._workers)]
+    return [(i, len(group), w) for group in list(_LIVE.values()) for i, w in enumerate(group)]
 
 
 def _ended(index: int, count: int, worker) -> str:
@@ -208,18 +234,20 @@ def _kill(processes) -> None:
                 pass
 
 
-def stop(iterator) -> None:
-    """SIGKILL the iterator's workers that are still alive, then let it release its queues.
+def stop(processes) -> None:
+    """SIGKILL the worker ``processes`` (``of``) that are still alive, then let their iterator release its queues.
 
     The SIGCHLD reports of these deaths are dropped: a stop on purpose is no failure for the next batch
     (of this run's next epoch, or of the next run in this process) to raise."""
-    _kill(iterator._workers)
-    try:
-        iterator._shutdown_workers()
-    except Exception:  # its queues may be broken by a failure; the processes are gone either way
-        pass
-    _LIVE.discard(iterator)
-    stopped = {str(w.pid) for w in iterator._workers}
+    _kill(processes)
+    for iterator, group in list(_LIVE.items()):
+        if any(w in group for w in processes):
+            del _LIVE[iterator]
+            try:  # torch shuts an iterator's workers down from its __del__ only: at a chosen moment, by this
+                iterator._shutdown_workers()  # (it also unregisters their pids from torch's SIGCHLD handler)
+            except Exception:  # its queues may be broken by a failure; the processes are gone either way
+                pass
+    stopped = {str(w.pid) for w in processes}
     _PENDING[:] = [exc for exc in _PENDING if _reported_pid(exc) not in stopped]
 
 
@@ -230,8 +258,8 @@ def _reported_pid(exc: BaseException) -> Optional[str]:
 
 def stop_all() -> None:
     """``stop`` every registered iterator, and kill any worker left: none of this process's is left alive."""
-    for it in list(_LIVE):
-        stop(it)
+    for group in list(_LIVE.values()):
+        stop(group)
     _kill(_PROCESSES)
     for process in _PROCESSES:
         process.join(timeout=5)

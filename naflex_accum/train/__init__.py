@@ -8,7 +8,7 @@ through the accumulation step (``naflex_accum.accum``). Modules by concern:
   that do not wait for the device), ``lr``, ``finetune``, ``compile``, ``fsdp``, ``evaluate``,
   ``zeroshot``, ``logs`` and ``report`` (console, ``out.log``, tensorboard, wandb), ``summary`` (the
   lines a run ends with);
-- what is kept: ``rundir`` (the run folder), ``checkpoint`` and ``integrity`` (files, checksums),
+- what is kept: ``rundir`` (the run folder), ``checkpoint`` (files, their CRC-32s),
   ``saver`` (when which checkpoint is written and kept), ``resume`` (state in and out), ``lineage``
   (branches after a rollback);
 - how it ends: ``preempt`` (stop requests), ``exits`` (exit statuses), ``distributed`` (process group),

@@ -3,16 +3,15 @@
 Invariants: a file under a checkpoint name is complete (written to a hidden
 temporary file in the same folder, flushed to disk, then ``os.replace``d; a
 failed or interrupted write removes its temporary file, and a failed one says
-which path and which OS error)
-and carries a checksum of its payload (``integrity``), which a full read
-verifies; a torch file's bytes that differ from the CRC-32s its zip recorded
-(the pickle's on every read; every member's on a full read of a file without a
-checksum, or once a read has failed) are named as damage, never as a refused or
-foreign file, nor read as other numbers; reading never runs code from the file
+which path and which OS error); a torch file's bytes that differ from the
+CRC-32s its zip recorded (the pickle's on every read, every member's on every
+full read) are named as damage, never as a refused or foreign file, nor read as
+other numbers; the ``checksum`` entry older versions wrote (a second CRC-32
+pass) is dropped on reading, not taken as state; reading never runs code from the file
 (``torch.load(weights_only=True)`` with the allow-list below) and a file that is
 neither a torch checkpoint nor safetensors is named as such; ``--resume latest``
 takes the checkpoint furthest into the run, at the top level of ``checkpoints/``
-(the current branch, ``lineage``), that loads and verifies, skipping the others
+(the current branch, ``lineage``), that loads completely, skipping the others
 with a warning;
 retention never deletes the file just written, and a file it cannot delete is a
 warning, not the end of the run. Names:
@@ -36,7 +35,6 @@ from safetensors.torch import load_file
 
 from ..data.workers import held as held_worker_failures
 from ..errors import UsageError, WriteError
-from .integrity import Unverifiable, changed_parts, seal, sealed
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +49,7 @@ ALLOWED_GLOBALS: tuple = ()
 REQUIRED_KEYS = ("epoch", "state_dict", "optimizer")
 ZIP_START = b"PK\x03\x04"  # torch.save's format since torch 1.6
 PICKLE_START = b"\x80"  # torch.save's legacy format: a pickle of protocol 2 or later
+OLD_CHECKSUM = "checksum"  # a second CRC-32 pass over the payload that older versions wrote: not state
 
 
 class _Writer:
@@ -78,8 +77,7 @@ class _Writer:
 
 
 def save_checkpoint(path: Path, payload: dict) -> None:
-    """Write ``payload`` (``integrity.seal``ed here unless it already is) atomically to ``path``."""
-    payload = payload if sealed(payload) else seal(payload)
+    """Write ``payload`` atomically to ``path``."""
     with held_worker_failures():  # a loader worker dying meanwhile fails the run after the write, not inside it
         _save(Path(path), payload)
 
@@ -164,9 +162,9 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
     """A checkpoint (or ``.safetensors``) file as a dict, read without running code from it.
 
     Every problem is a one-line ``UsageError`` naming ``flag`` and the file: missing, truncated or
-    not a checkpoint, damaged (bytes that differ from its zip's CRC-32s), needing more than
-    ``ALLOWED_GLOBALS`` (an arbitrary pickled object), or (a full read, not ``mmap``) a checksum that
-    does not match its content.
+    not a checkpoint, damaged (bytes that differ from its zip's CRC-32s: the pickle's, and every
+    tensor's unless ``mmap``, which reads the structure only), or needing more than ``ALLOWED_GLOBALS``
+    (an arbitrary pickled object).
     """
     path = Path(path)
     if not path.is_file():
@@ -182,18 +180,12 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
     except Exception as exc:
         _refuse_damage(path, flag, pickle_only=False)  # a flipped bit can read as an unknown global or garbage
         raise _unreadable(path, flag, exc) from None
-    # torch.load does not check the zip's CRC-32s: the pickle's always, the tensors' where no checksum does
-    _refuse_damage(path, flag, pickle_only=mmap or (isinstance(payload, dict) and sealed(payload)))
+    # torch.load does not check the zip's CRC-32s: the pickle's always, the tensors' unless mapped (not read yet)
+    _refuse_damage(path, flag, pickle_only=mmap)
     if not isinstance(payload, dict):
         raise UsageError(f"{flag} {path}: holds a {type(payload).__name__}, not a checkpoint dict or state_dict")
-    try:
-        changed = [] if mmap else changed_parts(payload)  # mapped: the tensors are not read, so not checked
-    except Unverifiable as exc:
-        raise UsageError(f"{flag} {path}: its checksum cannot be verified: {exc}; not a checkpoint this trainer "
-                         f"wrote, or a damaged one; use another checkpoint") from None
-    if changed:
-        raise UsageError(f"{flag} {path}: its checksum does not match ({', '.join(changed)} changed): the file "
-                         f"changed after it was written (a disk or copy fault); use another checkpoint")
+    if isinstance(payload.get(OLD_CHECKSUM), dict) and "algorithm" in payload[OLD_CHECKSUM]:
+        del payload[OLD_CHECKSUM]  # {"algorithm": "crc32-v1", "parts": {...}}; the zip's CRC-32s checked the file
     return payload
 
 
@@ -313,7 +305,7 @@ def file_position(path: Path) -> Tuple[int, int, int]:
 
 
 def newest_loadable(folder: Path) -> Tuple[Optional[Path], Optional[dict]]:
-    """The checkpoint of ``folder`` (its top level) furthest into the run that loads and verifies, and its payload."""
+    """The checkpoint of ``folder`` (its top level) furthest into the run that loads completely, and its payload."""
     ranked = []
     for path in checkpoint_files(folder):
         try:

@@ -1,7 +1,8 @@
 """Held-out retrieval: image-to-text and text-to-image recall@1/5 and the contrastive loss.
 
 Invariant: evaluation runs in eval mode under no_grad on the unwrapped model
-(no DDP hooks, no collectives), sees every held-out sample once, and leaves
+(no DDP hooks, no collectives), eager even when ``--torchcompile`` compiled the
+model in place (no graphs for eval mode's shapes), sees every held-out sample once, and leaves
 the model in train mode afterwards. Its metrics are open_clip's, keys and order
 (``get_clip_metrics``'s, ``clip_val_loss``, then the integers ``epoch`` and
 ``num_samples``), as ``results.jsonl`` records them.
@@ -32,7 +33,7 @@ def evaluate(task, val_loader, device, autocast, epoch: int) -> Dict[str, float]
     try:
         for batch in val_loader:
             batch = task.prepare_batch(batch, device)
-            with autocast():
+            with autocast(), torch.compiler.set_stance("force_eager"):
                 out = model(image=batch["image"], text=batch["text"])
             images.append(out["image_features"].float().cpu())
             texts.append(out["text_features"].float().cpu())

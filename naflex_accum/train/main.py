@@ -20,8 +20,8 @@ from ..accum.modes import make_step
 from ..data import DataConfig, make_train_loader, make_val_loader
 from ..data.loader import data_index
 from ..data.workers import stop_all as stop_workers
-from ..errors import QuietUsageError, UsageError, WriteError
-from ..models import create_model
+from ..errors import QuietUsageError, UsageError, WriteError, last_word
+from ..models import create_model, takes_flat_patches
 from ..tasks import create_task
 from . import fsdp
 from .checkpoint import load_checkpoint
@@ -85,10 +85,14 @@ def build_task(args, world, device):
                     "as upstream does")
     task = create_task(model, siglip=args.siglip, **loss_kwargs)
     if args.torchcompile:  # before DDP, as upstream's 'model' strategy
-        task.trainable_module = compile_model(model, args, world.distributed)
+        compile_model(model, args, world.distributed)  # in place: the task's trainable module is the model
     if world.distributed and not fsdp.sharded(model):
         ids = [device.index] if device.type == "cuda" else None
-        task.trainable_module = DDP(task.trainable_module, device_ids=ids)
+        # find_unused_parameters keeps DDP's gradient buckets in one layout for the whole run: without it DDP
+        # rebuilds them after its first step in the order gradients became ready, so a resumed start's first
+        # step would sum 3+ ranks' gradients in another order than the uninterrupted run's, and its weights
+        # would part by round-off. The price is one autograd-graph walk per window and one warning per rank.
+        task.trainable_module = DDP(task.trainable_module, device_ids=ids, find_unused_parameters=True)
     return task, model
 
 
@@ -100,7 +104,7 @@ def eval_task(task, model, args, world, device):
     state = fsdp.full_model_state(model)
     if not world.is_master:
         return None
-    whole = create_model(args.model, siglip=args.siglip)
+    whole = create_model(args.model, siglip=args.siglip, patch_sizes=args.naflex_patch_sizes)
     whole.load_state_dict(state)
     return create_task(whole.to(device), siglip=args.siglip)
 
@@ -123,7 +127,8 @@ def build_data(args, world, model, device):
     if args.val_data and world.is_master:
         val = make_val_loader(args.val_data, tokenizer, seq_len=args.val_seq_len or max(args.naflex_seq_lens),
                               batch_size=args.val_batch_size, patch_size=args.naflex_patch_sizes[0], workers=0,
-                              decode=args.image_decode, timeout=args.data_timeout)
+                              decode=args.image_decode, timeout=args.data_timeout,
+                              flatten=takes_flat_patches(args.naflex_patch_sizes))
     return train, val
 
 
@@ -268,22 +273,22 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
     except Preempted:
         saved, exit_code, reason = saver.save_stop(state), EXIT_STOPPED, stop.reason()
         stop.served()  # answered: the next start must not meet this STOP file
-        log.info(f"Stopped on request ({reason}) after step {state.step_in_epoch} of epoch {state.epoch}: "
-                 f"saved {saved}; continue with {_again(args)} (exit {EXIT_STOPPED})")
+        log.info(last_word(f"Stopped on request ({reason}) after step {state.step_in_epoch} of epoch "
+                           f"{state.epoch}: saved {saved}; continue with {_again(args)} (exit {EXIT_STOPPED})"))
     except (NonFiniteLoss, NonFiniteWeights) as exc:
         step = exc.global_step if isinstance(exc, NonFiniteLoss) else state.global_step
-        exit_code = EXIT_NONFINITE
+        exit_code, line = EXIT_NONFINITE, last_word(_nonfinite_message(step, num_steps, saver))
         if world.is_master:
-            log.error(_nonfinite_message(step, num_steps, saver))
+            log.error(line)
     except Exception as exc:
         what = transient(exc)
         if what is None:
             raise
         exit_code = EXIT_LOADER
         which = "Writing the run folder" if isinstance(exc, WriteError) else "Data loader"
-        line = (f"{which} failed on rank {world.rank}: {what}. The run stopped after optimizer step "
-                f"{state.global_step} without saving; last good checkpoint: {saver.last_good or 'none'}; "
-                f"run again with {_again(args)} (exit {EXIT_LOADER})")
+        line = last_word(f"{which} failed on rank {world.rank}: {what}. The run stopped after optimizer step "
+                         f"{state.global_step} without saving; last good checkpoint: {saver.last_good or 'none'}; "
+                         f"run again with {_again(args)} (exit {EXIT_LOADER})")
         if world.is_master:
             _log_error(line)
         if world.distributed:  # every rank ends with it; rank 0 prints another rank's (peers)
@@ -350,7 +355,8 @@ def main(argv=None, prog="naflex-accum train", ends_process: bool = False) -> in
     """The exit status is one of ``EXIT_CODES``; rank 0 alone prints an error every rank shares."""
     try:
         result = train(argv, prog, ends_process)
-    except QuietUsageError:
+    except QuietUsageError as exc:  # rank 0 prints it
+        last_word(f"{prog}: error: {exc}")
         return 2
     except RankEnded as ended:
         return ended.code
@@ -358,7 +364,7 @@ def main(argv=None, prog="naflex-accum train", ends_process: bool = False) -> in
         what = transient(exc)
         if what is None:
             raise
-        print(f"{prog}: error: {what}; run it again (exit {EXIT_LOADER})", file=sys.stderr)
+        print(last_word(f"{prog}: error: {what}; run it again (exit {EXIT_LOADER})"), file=sys.stderr)
         return EXIT_LOADER
     print_footer(result)
     return result["exit_code"]

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
-from ..errors import QuietUsageError, UsageError
+from ..errors import QuietUsageError, UsageError, last_word
 from ..interrupt import EXIT_INTERRUPTED
 from . import storehost
 from .channel import Channel, Failure, Pulse
@@ -169,6 +169,7 @@ class Peers:
                     first = mine if mine is not None else self.store_gone_failure()
             self.decide(first)
         first = self.decision
+        last_word(self.told(first))
         own = mine is not None and (first.rank == self.rank or (bool(mine.text) and mine.text == first.text))
         try:
             self.settle(first, self.main, own=own)
@@ -200,14 +201,17 @@ class Peers:
             if self.announced:
                 return False
             self.announced = True
-        kind = "" if failure.code == EXIT_STOPPED else "error: "  # a stop on request is no error
-        print(f"{self.prog}: {kind}{failure.line}", file=sys.stderr, flush=True)
+        print(self.told(failure), file=sys.stderr, flush=True)
         if self.rank == 0:
             try:
                 log_file_only(failure.line)
             except Exception:  # out.log unwritable: stderr has the line, and nothing may hide it
                 pass
         return True
+
+    def told(self, failure: Failure) -> str:
+        kind = "" if failure.code == EXIT_STOPPED else "error: "  # a stop on request is no error
+        return f"{self.prog}: {kind}{failure.line}"
 
     def bye(self, channel: Channel, code) -> None:
         with self.lock:
@@ -235,8 +239,8 @@ class Peers:
     def store_gone_failure(self) -> Failure:
         """Every rank's own account (rank 0 prints it): the store is gone, and with it the run's way to agree."""
         host, port = self.address
-        holder = "torchrun's agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) else \
-            "rank 0's store process"
+        holder = "torchrun's agent on rank 0's node" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == \
+            str(True) else "rank 0's store process"
         return Failure(self.rank, EXIT_LOADER, f"the job's store at {host}:{port} ({holder}) closed: the launcher "
                        f"or the job ended around this rank; {self.context()} (exit {EXIT_LOADER})")
 

@@ -2,7 +2,9 @@
 
 Invariants: a payload holds everything the rest of the run depends on: model,
 optimizer and scaler state, counters, the steps per epoch the learning-rate
-schedule was laid out with, and, inside an epoch, the position in it (the
+schedule was laid out with, the patch sizes the model was trained with
+(``naflex_patch_sizes``: which tower ``export`` builds; a payload without them,
+an older one, loads the same), and, inside an epoch, the position in it (the
 segment, ``data.order``, and the samples and tokens consumed), every rank's
 random state and the settings that decide which batches the epoch yields
 (``SCHEDULE_FLAGS``). The world size and ``--workers`` may differ on resume: at
@@ -63,6 +65,7 @@ def epoch_payload(state, model, args, states=(None, None)) -> dict:
     model_state, optimizer_state = states
     return {"epoch": state.epoch, "global_step": state.global_step, "samples_seen": state.samples_seen,
             "lr_steps_per_epoch": state.lr_steps_per_epoch, "name": args.name,
+            "naflex_patch_sizes": list(args.naflex_patch_sizes),
             "state_dict": model.state_dict() if model_state is None else model_state,
             "optimizer": state.optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scaler": state.scaler.state_dict() if state.scaler is not None else None}

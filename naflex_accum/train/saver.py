@@ -5,9 +5,8 @@ rank 0, and a failed write stops every rank with rank 0's one-line error); no
 checkpoint is written from non-finite weights (checked on every rank, which
 hold the same weights, before each write); retention deletes a file only after
 a newer one is complete, never the one just written, and a file it cannot
-delete is one warning (per file and run) while the run goes on; every payload
-carries its checksum (``integrity``), computed once however many files get it.
-What is written when:
+delete is one warning (per file and run) while the run goes on; a payload is
+built once however many files get it. What is written when:
 
 - ``step_G.pt`` after every ``--save-every-n-steps`` optimizer steps (the mid-epoch payload), the
   ``--keep-last`` newest kept;
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import List, Optional
 
 from .checkpoint import prune_step_checkpoints, remove_file, save_checkpoint
-from .integrity import seal
 from .monitor import host_read
 from .resume import epoch_payload, gather_rng_states, gather_states, mid_epoch_payload, weights_finite
 from .rundir import on_master
@@ -81,7 +79,7 @@ class Saver:
         self.last_good = paths[-1]
 
     def _write_on_master(self, paths: List[Path], make_payload) -> None:
-        payload = seal(make_payload())
+        payload = make_payload()
         for path in paths:
             save_checkpoint(path, payload)
         most_recent = self.paths.most_recent

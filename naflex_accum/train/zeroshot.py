@@ -29,6 +29,7 @@ from ..data.labelled import SHOWN_PROBLEMS, FolderSource, LabelledBatches, Probl
 from ..data.patches import normalize_patches
 from ..data.shards import expand_urls
 from ..errors import UsageError
+from ..models import takes_flat_patches
 from ..tasks import unwrap
 
 log = logging.getLogger(__name__)
@@ -167,10 +168,10 @@ class ZeroShot:
         self.frequency, self.epochs, self.workers = args.zeroshot_frequency, args.epochs, args.workers
         self.seq_len = args.val_seq_len or max(args.naflex_seq_lens)
         self.patch_size, self.batch_size = args.naflex_patch_sizes[0], args.val_batch_size
-        self.decode = args.image_decode
+        self.decode, self.flatten = args.image_decode, takes_flat_patches(args.naflex_patch_sizes)
 
     def batches(self, source) -> Iterator:
-        stream = LabelledBatches(source, self.seq_len, self.patch_size, self.batch_size, self.decode)
+        stream = LabelledBatches(source, self.seq_len, self.patch_size, self.batch_size, self.decode, self.flatten)
         workers = min(self.workers, len(source) // 2)  # a worker is worth starting only with work to share
         if workers < 2:
             return iter(stream)

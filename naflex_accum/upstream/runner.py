@@ -21,7 +21,8 @@ entries and ``out.log`` lines from ``naflex_accum.openclip``, whatever level
 logging is set to; each line reaches stderr once. A step that refuses its input
 (``scales.StepError``) ends the run with its one line, exit 2. A start that
 fails before its first step says upstream's error in one line, exit 1, and
-leaves no run folder it made (``startup``); a later failure is upstream's own.
+takes back only what it provably made in its run folder (``startup``); a later
+failure is upstream's own.
 """
 import contextlib
 import importlib

@@ -1,21 +1,27 @@
 """A start of upstream's ``main`` that fails before its first step leaves nothing that would block its retry.
 
 Invariant: when upstream's ``main`` stops before its first step (an exception,
-its "refused to start" -1, an exit or an interrupt), its run folder
-``--logs/--name`` is removed only if all of these hold: this process is the one
-upstream's ``main`` creates it on (its ``is_master(args, local=args.log_local)``);
-``--name`` is a plain folder name that was not under ``--logs`` when upstream's
-``main`` began setting up its process group (before it names and creates the
-folder); no step ran since the self-check (no optimizer stepped, the fixed step
-was not called); and nothing lies under its ``checkpoints/``. ``--logs`` goes
-too when this start created it and it is empty then. Everything else stays as
-it was: a folder from an earlier start (its ``out.log`` gets the traceback), and
+its "refused to start" -1, an exit or an interrupt), this start takes back from
+its run folder ``--logs/--name`` only what it proves it made, and only on the
+process upstream's ``main`` creates the folder on (its ``is_master(args,
+local=args.log_local)``) with ``--name`` a plain folder name. The folder is
+this start's only if it was not under ``--logs`` when upstream's ``main`` began
+setting up its process group (before it names and creates the folder) and the
+log file in it is the very file a handler upstream's ``setup_logging`` attached
+in this start has open (same device and inode): absence alone proves nothing,
+another start with the same ``--name`` may have made it since (upstream then
+refuses before opening a log, and this start takes nothing). From such a folder
+go this process's log file, and on rank 0 ``params.txt`` and ``checkpoints/``
+and ``tensorboard/`` if empty; then the folder if empty, and each level of
+``--logs`` that was missing at the start, deepest first, while empty. Anything
+else keeps the folder, named in the line. No step may have run since the
+self-check (no optimizer stepped, the fixed step was not called). A folder from
+an earlier start is kept whole (its ``out.log`` gets the traceback), and so is
 all of a run that has stepped, whose failure is reported as before. ``failed``
 words upstream's error in one line, with what became of the folder.
 """
 import logging
 import os
-import shutil
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -25,10 +31,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .patch import step_calls
 
 MAX_MESSAGE = 300  # characters of upstream's message in the line (a model list can run to pages)
-
-
-def _has_files(folder: str) -> bool:
-    return any(files for _, _, files in os.walk(folder))
 
 
 def _file_handlers():
@@ -46,12 +48,45 @@ def _log_traceback(exc: BaseException) -> list:
     return [h.baseFilename for h in handlers]
 
 
-def _close_logs_under(folder: str) -> None:
-    inside = os.path.abspath(folder) + os.sep
-    for handler in _file_handlers():
-        if handler.baseFilename.startswith(inside):
-            handler.close()
-            logging.getLogger().removeHandler(handler)
+def _opened_in(folder: str, handlers) -> list:
+    """The handlers whose file lies in ``folder`` and is still the very file their stream has open."""
+    folder = os.path.abspath(folder)
+    opened = []
+    for handler in handlers:
+        try:
+            same = os.path.samestat(os.fstat(handler.stream.fileno()), os.stat(handler.baseFilename))
+        except (AttributeError, ValueError, OSError):  # not opened (delay=True), closed, or its file gone
+            same = False
+        if same and os.path.dirname(handler.baseFilename) == folder:
+            opened.append(handler)
+    return opened
+
+
+def _missing_levels(path: str) -> list:
+    """The levels of ``path`` that are not there now, deepest first."""
+    levels, path = [], os.path.normpath(path) if path else ""
+    while path and path not in (os.curdir, os.sep) and not os.path.isdir(path):
+        levels.append(path)
+        path = os.path.dirname(path)
+    return levels
+
+
+def _removed(paths, rmdir=False) -> list:
+    """The base names of ``paths`` that were removed (a folder only when empty)."""
+    done = []
+    for path in paths:
+        try:
+            (os.rmdir if rmdir else os.remove)(path)
+            done.append(os.path.basename(path))
+        except OSError:
+            pass
+    return done
+
+
+def _holds(folder: str) -> str:
+    names = sorted(os.listdir(folder), key=str.lower)
+    shown = [name + ("/" if os.path.isdir(os.path.join(folder, name)) else "") for name in names[:3]]
+    return ", ".join(shown) + (", ..." if len(names) > 3 else "")
 
 
 def _error(exc: BaseException) -> str:
@@ -72,6 +107,7 @@ class StartWatch:
     def __init__(self):
         self.args, self.named = None, False
         self.before = None  # the names under --logs when the start began; None: --logs was not there
+        self.missing, self.handlers = [], ()  # the levels of --logs not there then; the log handlers there then
         self.armed = False
         self._steps, self._calls, self._hook = 0, 0, None
 
@@ -80,6 +116,7 @@ class StartWatch:
         self.args, self.named = args, getattr(args, "name", None) is not None
         logs = self._logs()
         self.before = frozenset(os.listdir(logs)) if logs and os.path.isdir(logs) else None
+        self.missing, self.handlers = _missing_levels(logs), frozenset(_file_handlers())
 
     def arm(self) -> None:
         """The self-check is over: a step from here on is the run's."""
@@ -128,19 +165,30 @@ class StartWatch:
             kept = [path for path in logged if path.startswith(os.path.abspath(folder) + os.sep)]
             return (f"the run folder {folder} was there before this start and is kept"
                     + (f" (the traceback is in {kept[0]})" if kept else ""))
-        if _has_files(os.path.join(folder, "checkpoints")):
-            return f"the run folder {folder} is kept: it holds checkpoints"
-        _close_logs_under(folder)
-        shutil.rmtree(folder, ignore_errors=True)
-        if os.path.exists(folder):
-            return f"the run folder {folder} could not be removed; remove it, or give another --name"
-        if self.before is None:
-            try:  # --logs too, when this start made it and nothing else is in it
-                os.rmdir(self._logs())
-            except OSError:
-                pass
+        opened = _opened_in(folder, [h for h in _file_handlers() if h not in self.handlers])
+        if not opened:  # upstream refused it, or another start with this --name made it: not this start's
+            return (f"the run folder {folder} is kept: it was made after this start began and this start did not "
+                    f"open its log, so it may be another start's")
+        gone = self._take_back(folder, opened)
         retry = ", so the same --name can start again" if self.named else ""
+        if any(os.path.lexists(handler.baseFilename) for handler in opened):
+            return f"the run folder {folder} could not be removed; remove it, or give another --name"
+        if os.path.isdir(folder):
+            return (f"the run folder {folder} is kept: it holds {_holds(folder)} (this start's {' and '.join(gone)} "
+                    f"{'is' if len(gone) == 1 else 'are'} removed{retry})")
+        _removed(self.missing, rmdir=True)
         return f"removed the run folder {folder} this start had created{retry}"
+
+    def _take_back(self, folder: str, opened: list) -> list:
+        """Remove what this start made in ``folder`` (the invariant); the names of the files removed."""
+        for handler in opened:
+            handler.close()
+            logging.getLogger().removeHandler(handler)
+        made = getattr(self.args, "rank", 0) == 0  # upstream's rank 0 writes params.txt and makes the folders
+        gone = _removed([h.baseFilename for h in opened] + ([os.path.join(folder, "params.txt")] if made else []))
+        _removed([os.path.join(folder, name) for name in ("checkpoints", "tensorboard") if made] + [folder],
+                 rmdir=True)
+        return gone
 
     def failed(self, exc: BaseException) -> Optional[str]:
         """After upstream's ``main`` raised ``exc``: the one line, once the folder is settled; None to re-raise

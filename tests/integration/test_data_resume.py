@@ -8,6 +8,7 @@ from data_common import CharTokenizer, config, shard_paths, tar_members, write_t
 from unit.data.test_resume import epoch, same, shards  # noqa: F401 (fixtures)
 
 from naflex_accum.data import make_train_loader
+from naflex_accum.data.workers import of as worker_processes
 
 torch.set_num_threads(1)
 
@@ -46,7 +47,7 @@ def test_persistent_pinned_workers_follow_set_epoch(shards):
     pids = []
     for number, start in ((0, 0), (1, 0), (1, 3), (2, 0)):
         assert same(epoch(pinned, number, start), epoch(plain, number, start))
-        pids.append(sorted(w.pid for w in pinned._workers._iterator._workers))
+        pids.append(sorted(w.pid for w in worker_processes(pinned._workers)))
         if torch.cuda.is_available():
             assert next(iter(pinned))["image"]["patches"].is_pinned()
     assert pids[0] == pids[-1] and pinned._workers.persistent_workers  # the same processes every epoch

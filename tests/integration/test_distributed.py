@@ -31,7 +31,7 @@ def dist_rows(*args):
 @pytest.fixture(scope="module")
 def checks():
     """Ours, upstream's bugs and a missing no_sync, in one torchrun start: {check: its rows}."""
-    proc, rows = dist_rows("--wrap", "ddp", "fsdp2", "--then", "--bug", "upstream-style",
+    proc, rows = dist_rows("--wrap", "ddp", "fsdp2", "fsdp2-bf16", "--then", "--bug", "upstream-style",
                            "--then", "--wrap", "ddp", "fsdp2", "--bug", "always-sync", "--find-unused-parameters",
                            "--quick")
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: some case failed (a bug's)
@@ -41,7 +41,7 @@ def checks():
 
 def test_two_process_accumulation_equals_full_batch(checks):
     """DDP (CLIP, SigLIP, CoCa) and real FSDP2, both modes: exact, and one gradient reduction per window."""
-    rows = checks["ours"]
+    rows = [r for r in checks["ours"] if r["wrap"] != "fsdp2-bf16"]
     ddp = [r for r in rows if r["wrap"] == "ddp"]
     fsdp = [r for r in rows if r["wrap"] == "fsdp2"]
     assert len(ddp) == 2 * 2 * 6 and len(fsdp) == 2 * 2 * 2 and all(r["passed"] for r in rows)
@@ -53,6 +53,16 @@ def test_two_process_accumulation_equals_full_batch(checks):
     print(f"2 ranks, {len(rows)} rank-cases: largest tower rel err {worst:.2e}; logit ratios "
           f"{sorted({round(v, 6) for r in rows for v in r['logit_ratios'].values()})}")
     assert worst <= 1e-5
+
+
+def test_two_process_fsdp2_bf16_policy_equals_full_batch(checks):
+    """Upstream's ``--fsdp --precision amp_bf16`` sharding (bf16 parameters, fp32 reduction), both modes: the
+    window trains (one dtype per reduce-scatter) and matches one full-batch backward to bf16 round-off."""
+    rows = [r for r in checks["ours"] if r["wrap"] == "fsdp2-bf16"]
+    assert len(rows) == 2 * 2 * 2 and all(r["passed"] for r in rows)
+    assert all(r["reduction_rounds"] == r["reference_rounds"] > 0 for r in rows)
+    assert all(set(r["logit_ratios"]) == ({"logit_scale", "logit_bias"} if r["loss"] == "siglip" else
+                                          {"logit_scale"}) for r in rows)
 
 
 def test_two_process_check_catches_upstream_bugs(checks):

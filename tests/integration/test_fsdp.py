@@ -94,6 +94,15 @@ def test_fsdp_evaluates_on_rank_0_with_the_whole_model(setup, runs):
     assert "Eval Epoch: 1" in log and "Eval Epoch: 2" in log and "image_to_text_R@1" in log
 
 
+def test_fsdp_evaluates_a_run_of_several_patch_sizes(setup):
+    """The whole copy rank 0 evaluates is built for the run's sizes: it takes the unflattened size-8 batches."""
+    folder, shards, model = setup
+    torchrun(folder, shards, model, "fsdp-ps", "--fsdp", "--val-data", shards.val, "--naflex-patch-sizes", "8", "16",
+             epochs=1)
+    log = (folder / "logs/fsdp-ps/out.log").read_text()
+    assert "Eval Epoch: 1" in log and "image_to_text_R@1" in log
+
+
 def test_fsdp_flags_that_do_not_apply_are_one_line(capsys):
     from naflex_accum.cli import main
 

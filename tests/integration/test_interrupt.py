@@ -116,6 +116,44 @@ def test_ctrl_c_while_the_command_imports_torch(tmp_path, command):
     assert importing and out.strip() == f"{prog}: interrupted"
 
 
+PACKAGE = Path(__file__).resolve().parents[2] / "naflex_accum"
+EARLY = {"verify": COMMANDS["verify"], "openclip": COMMANDS["openclip"],
+         "python -m train": ([sys.executable, "-m", "naflex_accum.train", *COMMANDS["train"][0][2:]],
+                             "naflex-accum train")}
+
+
+def early_ctrl_c(cmd, log: Path, delay: float):
+    """``cmd`` with a Ctrl-C ``delay`` seconds after its start: ``(exit status, output)``."""
+    proc = start(cmd, log)
+    time.sleep(delay)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, log.read_text()
+
+
+@pytest.mark.parametrize("command", sorted(EARLY))
+def test_ctrl_c_as_early_as_possible(tmp_path, command):
+    """From the first of the command's own lines on, a Ctrl-C is the one line: pressed at once, then a little
+    later each time (bounded) until three in a row found the command running. Before that only Python's own
+    start-up can be under way (docs/long-runs.md): a traceback, if any, passes through none of our modules."""
+    cmd, prog = EARLY[command]
+    handled, tries = 0, 0
+    while handled < 3 and tries < 60:
+        code, out = early_ctrl_c(cmd, tmp_path / f"log{tries}", delay=0.003 * tries)
+        ours = [line for line in out.splitlines() if line.strip().startswith("File ") and str(PACKAGE) in line]
+        assert not ours, out[-3000:]
+        if code == 130:
+            assert out.strip() == f"{prog}: interrupted", out[-3000:]
+        handled = handled + 1 if code == 130 else 0
+        tries += 1
+    assert handled == 3, f"no Ctrl-C in {tries} tries found {command} running"
+
+
 def test_ctrl_c_inside_an_exec_while_importing(tmp_path):
     """A KeyboardInterrupt out of an exec() of a string marks CPython to end a python -m process by SIGINT."""
     proc = driven("dataclass-import", ["verify"], tmp_path / "log")

@@ -201,11 +201,12 @@ def test_a_bit_flipped_checkpoint_is_refused_and_latest_falls_back(setup, tmp_pa
     code = cli_main(["train", *run_argv(shards, model, tmp_path, "flip", *argv, "--resume", str(newest), workers=0)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "Traceback" not in err, err
-    assert f"--resume {newest}: its checksum does not match" in err and "changed after it was written" in err
+    assert f"--resume {newest}: damaged: archive/data/" in err and "does not match the CRC-32" in err
+    assert "changed after it was written" in err
     result = train_in_process(run_argv(shards, model, tmp_path, "flip", *argv, "--resume", "latest", workers=0))
     out = capsys.readouterr().out
     assert result["exit_code"] == 0 and result["global_step"] == 8
-    assert "skipping" in out and "epoch_1.pt: its checksum does not match" in out and "resumed from" in out
+    assert "skipping" in out and "epoch_1.pt: damaged: archive/data/" in out and "resumed from" in out
     assert "step_4.pt" in out.split("resumed from")[1].splitlines()[0]
 
 

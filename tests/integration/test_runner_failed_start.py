@@ -7,7 +7,10 @@ upstream with a failure put into upstream's ``main``: its data set-up raises
 must say upstream's error in one line (exit 1, no traceback on the console),
 remove the run folder this start made and nothing else, so the same ``--name``
 starts again; a folder that was there before is kept, with the traceback in its
-``out.log``. After the first step everything stays as upstream leaves it. Two
+``out.log``; a file a user wrote into the run folder while it started keeps
+the folder. Two starts with the same ``--name`` at once: the one upstream
+refuses ("Experiment already exists") takes nothing from the other, which
+trains on. After the first step everything stays as upstream leaves it. Two
 CPU ranks (upstream's DDP wrap fails on each, before the first step): each rank
 says its line, and the rank that made the folder removes it.
 """
@@ -15,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from upstream_real import DETERMINISTIC, JOBS, run_python, tail, upstream_env
@@ -93,6 +97,52 @@ def test_a_run_folder_that_was_there_before_is_kept_with_the_traceback_in_its_lo
     assert (folder / "notes.txt").read_text() == "mine"
     log = (folder / "out.log").read_text()
     assert "Traceback" in log and "injected: the data set-up failed" in log
+
+
+def test_a_file_written_into_the_run_folder_while_it_starts_is_kept(upstream_src, demo_shards, model, tmp_path):
+    proc = _start(upstream_src, _args(demo_shards, model), tmp_path, fail_at="get_data_after_notes")
+    _one_line(proc, INJECTED, "the run folder logs/run is kept: it holds NOTES.txt (this start's out.log and "
+                              "params.txt are removed, so the same --name can start again)")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "logs").rglob("*")) == [
+        "logs/run", "logs/run/NOTES.txt"]
+    again = _start(upstream_src, _args(demo_shards, model), tmp_path, job=False)
+    assert again.returncode == 0, tail(again)
+    assert (tmp_path / "logs" / "run" / "NOTES.txt").read_text() == "mine"
+
+
+def test_of_two_starts_with_one_name_the_refused_one_takes_nothing_from_the_other(upstream_src, demo_shards, model,
+                                                                                  tmp_path):
+    """The refused start listed --logs before the other made the run folder: that proves nothing is its own.
+
+    The refused start waits, its --logs listed, until the other has opened out.log; the other waits in its data
+    set-up (its run folder made) until the refused one has ended, then trains."""
+    def start(**wait):
+        return subprocess.Popen([sys.executable, JOBS / "failing_start.py", *_args(demo_shards, model)], cwd=tmp_path,
+                                env=upstream_env(upstream_src, **DETERMINISTIC, **wait), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def waiting(proc, where):
+        for _ in range(TIMEOUT * 10):
+            if (tmp_path / f"waiting-in-{where}").exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        return (tmp_path / f"waiting-in-{where}").exists()
+
+    procs = [start(WAIT_IN="init_distributed_device", WAIT_FOR="logs/run/out.log")]
+    try:
+        assert waiting(procs[0], "init_distributed_device") and not (tmp_path / "logs").exists()
+        procs.append(start(WAIT_IN="get_data", WAIT_FOR="refused-ended"))
+        assert waiting(procs[1], "get_data")
+        refused = subprocess.CompletedProcess(procs[0].args, procs[0].wait(TIMEOUT), *procs[0].communicate())
+        (tmp_path / "refused-ended").touch()
+        trains = subprocess.CompletedProcess(procs[1].args, procs[1].wait(TIMEOUT), *procs[1].communicate())
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert refused.returncode == 1 and "Experiment already exists" in refused.stdout, tail(refused)
+    assert "error:" not in refused.stderr, tail(refused)
+    assert trains.returncode == 0, tail(trains)
+    assert (tmp_path / "logs" / "run" / "checkpoints" / "epoch_1.pt").is_file()
 
 
 @pytest.mark.parametrize("more", [[], ["--accum-freq", "1", "--precision", "fp32"]],

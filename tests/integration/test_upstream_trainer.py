@@ -4,7 +4,8 @@ Tiny runs on demo shards: a NaFlex CLIP (``--use-naflex --accum-freq 2
 --naflex-loss-scale linear``, upstream's default precision ``amp_bf16``, so
 under bf16 autocast) through ``python -m naflex_accum.openclip`` on each pinned
 commit, and a CoCa (dense images, ``--accum-freq 2``) in a process whose
-logging runs at WARNING. Each must self-check, train, write its checkpoint, and
+logging runs at WARNING; and the NaFlex CLIP on two CPU ranks under ``--fsdp``
+(upstream's FSDP2 with bf16 parameters and fp32 reduction). Each must self-check, train, write its checkpoint, and
 leave in its run folder the record that the fix ran, in which mode, on which
 upstream (version, contract, fingerprint) and with which verdict (``out.log``
 and ``params.txt``).
@@ -101,3 +102,27 @@ def test_runner_trains_upstream_coca_with_logging_at_warning(upstream_src, demo_
     said = [line for line in proc.stderr.splitlines() if line.startswith("naflex-accum: ")]
     assert len(said) == 4 and "upstream's own step, audited the same way: lacks: the logit gradient" in said[3]
     assert "not shown: one loss scale per window" in said[3]  # dense CoCa windows have no scale to get wrong
+
+
+def test_runner_trains_upstream_naflex_clip_under_fsdp_bf16_on_two_ranks(pinned, demo_shards, tmp_path):
+    """``--fsdp`` at upstream's default ``--precision amp_bf16``: FSDP2 computes in bf16 and keeps the
+    gradients of the window's unsynced backwards in fp32; the window's synced backward must not mix dtypes."""
+    import math
+
+    from naflex_accum.upstream.tiny_tasks import write_model_dir
+
+    model = write_model_dir(str(tmp_path / "tiny-clip"), "clip")
+    # torchrun takes --logs as its own flag anywhere on the line: upstream writes ./logs under cwd
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "naflex_accum.openclip",
+            "--use-naflex", "--model", model, "--train-data", demo_shards, "--dataset-type", "webdataset",
+            "--train-num-samples", "40", "--batch-size", "8", "--naflex-seq-lens", "16", "64", pinned.tokens_flag,
+            "256", "--accum-freq", "2", "--naflex-loss-scale", "linear", "--epochs", "1", "--workers", "0", "--lr",
+            "1e-3", "--warmup", "0", "--device", "cpu", "--fsdp", "--name", "fsdp"]
+    proc = run_python(pinned.src, args, cwd=tmp_path,
+                      env=upstream_env(pinned.src, NAFLEX_ACCUM_MODE=None, OMP_NUM_THREADS="1", **DETERMINISTIC))
+    assert proc.returncode == 0, tail(proc)
+    log, record = _check_run_folder(tmp_path / "logs" / "fsdp", "cached-loss", pinned.version)
+    assert "FSDP2: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in log
+    assert "Train Epoch: 0 [40/40 (100%)]" in log and "on all 2 ranks" in record["naflex_accum_verify"]
+    saved = torch.load(tmp_path / "logs/fsdp/checkpoints/epoch_1.pt", map_location="cpu", weights_only=False)
+    assert abs(float(saved["state_dict"]["logit_scale"]) - math.log(1 / 0.07)) > 1e-4  # it took its gradient

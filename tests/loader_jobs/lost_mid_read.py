@@ -10,7 +10,6 @@ lives: that error must pass through as it is. Last, the pin thread's error with 
 worker killed. Prints what the loader raised each time and the line
 ``workers.failure`` makes of it.
 """
-import multiprocessing
 import os
 import signal
 import time
@@ -21,15 +20,15 @@ from naflex_accum.data import delivery, workers
 class FailingRead:
     def __init__(self, kill: bool, error: Exception):
         self.kill, self.error = kill, error
-        self._workers = [multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)]
-        self._workers[0].start()
+        self.multiprocessing_context, self.num_workers = workers.context(), 1  # a DataLoader's, as workers.of reads
+        self.multiprocessing_context.Process(target=time.sleep, args=(60,), daemon=True).start()
 
     def __iter__(self):
         return self
 
     def __next__(self):
         if self.kill:
-            os.kill(self._workers[0].pid, signal.SIGKILL)
+            os.kill(workers.of(self)[0].pid, signal.SIGKILL)
         raise self.error
 
     def _shutdown_workers(self):
@@ -45,7 +44,7 @@ def read(what: str, kill: bool, error: Exception) -> None:
         print(f"{what}: raised {type(exc).__name__}: {exc}")
         print(f"{what}: failure: {workers.failure(exc)}")
     finally:
-        workers.stop(source)
+        workers.stop(workers.of(source))
 
 
 def main():

@@ -48,3 +48,22 @@ def test_a_stop_request_leaves_the_signals_ignored_only_where_the_process_ends()
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_the_exit_file_holds_the_status_and_the_line_the_process_ended_with(monkeypatch, tmp_path, seen_by_run):
+    """A cluster script reads the trainer's own status (torchrun exits 1 whatever it was) and prints the line."""
+    path = tmp_path / "exit"
+    monkeypatch.setenv("NAFLEX_ACCUM_EXIT_FILE", str(path))
+    assert cli.entry(["train", "--train-data", "x-{000000..000001}.tar", "--device", "cpu"]) == 0
+    assert path.read_text() == "0\n"
+    assert cli.entry(["train"]) == 2
+    status, line = path.read_text().splitlines()
+    assert status == "2" and line == "naflex-accum train: error: --train-data is required: webdataset shards, e.g. " \
+                                     "'data/train-{0000..0009}.tar'"
+
+    def bug(*args, **kwargs):
+        raise ValueError("boom\nsecond line")
+    monkeypatch.setattr(train_main, "run", bug)
+    with pytest.raises(ValueError):
+        cli.entry(["train", "--train-data", "x-{000000..000001}.tar", "--device", "cpu"])
+    assert path.read_text() == "1\nValueError: boom (a bug: the traceback is in the output)\n"

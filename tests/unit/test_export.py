@@ -18,10 +18,10 @@ from naflex_accum.train.checkpoint import save_checkpoint
 from naflex_accum.train.resume import epoch_payload
 
 
-def run_folder(tmp_path, model, model_name="naflex-tiny", edit=dict, patch_sizes=None, schedule=None):
+def run_folder(tmp_path, model, model_name="naflex-tiny", edit=dict, patch_sizes=None, schedule=None, recorded=None):
     """``tmp_path/run`` as the trainer leaves it: params.txt (with ``patch_sizes``, --naflex-patch-sizes) and
     checkpoints/epoch_1.pt (``edit`` changes the state_dict, as a wrapper would have; ``schedule``, a mid-epoch
-    checkpoint's)."""
+    checkpoint's; ``recorded``, the sizes the checkpoint itself records: none, as checkpoints before it had)."""
     root = tmp_path / "run"
     (root / "checkpoints").mkdir(parents=True)
     sizes = f"naflex_patch_sizes: {patch_sizes}\n" if patch_sizes is not None else ""
@@ -29,7 +29,10 @@ def run_folder(tmp_path, model, model_name="naflex-tiny", edit=dict, patch_sizes
     optimizer = torch.optim.AdamW(model.parameters())
     state = SimpleNamespace(epoch=1, global_step=3, samples_seen=48, lr_steps_per_epoch=3, optimizer=optimizer,
                             scaler=None)
-    payload = epoch_payload(state, model, SimpleNamespace(name="run"))
+    payload = epoch_payload(state, model, SimpleNamespace(name="run", naflex_patch_sizes=[16]))
+    payload.pop("naflex_patch_sizes", None)
+    if recorded is not None:
+        payload["naflex_patch_sizes"] = recorded
     payload["state_dict"] = edit(payload["state_dict"])
     if schedule is not None:
         payload["schedule"] = schedule
@@ -99,6 +102,8 @@ def test_every_trained_patch_size_loads_in_open_clip_and_timm(tmp_path, run):
             assert close(tower(patches), model.visual.trunk(patches)), size
     assert [config["naflex_patch_sizes"] for config in configs] == [SIZES, SIZES]
     assert configs[1]["model_args"]["enable_patch_interpolator"] is True
+    # built with the interpolator (timm's build-time option), not given one after: timm knows it takes any size
+    assert model.visual.trunk.supports_patch_interpolation and tower.supports_patch_interpolation
 
 
 def test_a_mid_epoch_checkpoint_records_its_sizes_in_its_schedule(tmp_path):
@@ -113,6 +118,19 @@ def test_a_mid_epoch_checkpoint_records_its_sizes_in_its_schedule(tmp_path):
         assert close(loaded.encode_image(patches), model.encode_image(patches))
         assert close(tower(patches), model.visual.trunk(patches))
     assert configs[0]["naflex_patch_sizes"] == [8, 16]
+
+
+def test_the_checkpoints_own_record_of_its_sizes_comes_first(tmp_path):
+    """A run resumed with more sizes: its first params.txt says 16, the checkpoint 8 16 (and a schedule 16, as a
+    mid-epoch checkpoint of before the resume would have)."""
+    model = trained(False, [8, 16])
+    export(run_folder(tmp_path, model, patch_sizes=[16], recorded=[8, 16], schedule={"naflex_patch_sizes": [16]}),
+           tmp_path / "out")
+    loaded, tower, configs = load_export(tmp_path / "out")
+    with torch.no_grad():
+        patches = trainer_patches(8)
+        assert close(loaded.encode_image(patches), model.encode_image(patches))
+    assert configs[0]["naflex_patch_sizes"] == configs[1]["naflex_patch_sizes"] == [8, 16]
 
 
 @pytest.mark.parametrize("record, sizes", [(None, None), ("None", None), ([16], [16])],

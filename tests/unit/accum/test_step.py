@@ -1,4 +1,6 @@
 """The step's contract with upstream's training loop, bad inputs, RNG, sync, scaler and DDP."""
+import copy
+import pickle
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -6,11 +8,12 @@ import pytest
 import torch
 
 from naflex_accum import CachedLossStep, ReplayStep, cached_loss_step, replay_step
-from naflex_accum.accum.contract import split_result
+from naflex_accum.accum.contract import split_result, task_result
+from naflex_accum.accum.step import total_loss
 from naflex_accum.errors import StepError
 from naflex_accum.testing.older_order import older as older_order
 from naflex_accum.upstream.audit import (GradProbe, audit_case, compare, concat_batches, full_batch_grads, named_params,
-                                         random_window)
+                                         random_window, window_spec)
 
 from .test_contract import losses_only
 
@@ -162,6 +165,56 @@ def test_a_closed_state_passed_again_is_refused_before_any_forward(generation):
     assert err <= 1e-5, worst
 
 
+@pytest.mark.parametrize("again", [lambda s: pickle.loads(pickle.dumps(s)), copy.deepcopy, copy.copy],
+                         ids=["pickled", "deep-copied", "copied"])
+def test_a_closed_state_pickled_or_copied_is_refused_before_any_forward(generation, again):
+    task = generation()
+    probe = GradProbe(named_params(task))
+    b0, b1, b2 = random_window((2, 1, 2))
+    spent = ([], {})
+    call(task, b0, spent, probe)
+    call(task, b1, spent, probe)
+    refused("window has already made its optimizer step", task, b2, again(spent), probe)
+
+
+def _exact(task, probe, batches):
+    """The probe's gradients are the window's full-batch ones (a window of sizes 1, 2, 1 has scale 1/3)."""
+    ref, _ = full_batch_grads(task, batches, [0] * len(batches), chunked=False)
+    err, worst, _ = compare(probe.grads, ref, 1 / 3)
+    assert probe.steps == 1 and err <= 1e-5, worst
+
+
+@pytest.mark.parametrize("position", [1, 2], ids=["midway", "last"])
+def test_a_forward_that_fails_leaves_the_window_as_it_was(generation, position):
+    task = generation()
+    probe = GradProbe(named_params(task))
+    batches = random_window((1, 2, 1))
+    bad = dict(batches[position], text=torch.full_like(batches[position]["text"], 10 ** 6))  # no such token
+    state = ([], {})
+    for b in batches[:position]:
+        call(task, b, state, probe, 3)
+    with pytest.raises(IndexError):
+        call(task, bad, state, probe, 3)
+    assert len(state[0]) == position and probe.steps == 0
+    results = [call(task, b, state, probe, 3) for b in batches[position:]]  # that microbatch again, and on
+    assert split_result(results[-1])[1] == 4
+    _exact(task, probe, batches)
+
+
+def test_a_window_that_fails_after_its_forwards_is_refused(generation):
+    task = generation()
+    probe = GradProbe(named_params(task))
+    b0, b1, b2 = random_window((1, 2, 1))
+    state = ([], {})
+    call(task, b0, state, probe)
+    task.compute_accum_loss = lambda *a: (_ for _ in ()).throw(RuntimeError("loss failed"))
+    with pytest.raises(RuntimeError, match="loss failed"):
+        call(task, b1, state, probe)
+    del task.compute_accum_loss
+    refused("window failed after its forwards .in its loss, backward or optimizer step.", task, b2, state, probe)
+    assert probe.steps == 0
+
+
 def _added_by_hand(task, probe, b0, b1):
     state = ([], {})
     call(task, b0, state, probe, 3)
@@ -177,11 +230,19 @@ def _one_window_in_two_states(task, probe, b0, b1):
     return copy
 
 
+def _replaced_by_hand(task, probe, b0, b1):
+    state = ([], {})
+    call(task, b0, state, probe, 3)
+    state[0][0] = b1
+    return state
+
+
 @pytest.mark.parametrize("make_state,match", [
     (_added_by_hand, "has 2 in its batch list but its window kept outputs of 1"),
+    (_replaced_by_hand, "holds another batch at position 0 than the one the step admitted there"),
     (_one_window_in_two_states, "has 1 in its batch list but its window kept outputs of 2"),
     (lambda task, probe, b0, b1: ([b0], {}), "has 1 in its batch list but this step admitted none of them"),
-], ids=["batch-added-by-hand", "one-window-in-two-states", "begun-by-another-step"])
+], ids=["batch-added-by-hand", "batch-replaced-by-hand", "one-window-in-two-states", "begun-by-another-step"])
 def test_a_state_out_of_step_with_its_window_is_refused(generation, make_state, match):
     task = generation()
     probe = GradProbe(named_params(task))
@@ -190,33 +251,48 @@ def test_a_state_out_of_step_with_its_window_is_refused(generation, make_state, 
     assert probe.steps == 0
 
 
-def test_a_state_whose_call_failed_midway_is_refused(generation):
-    task = generation()
-    module, probe = task.trainable_module, GradProbe(named_params(task))
-    b0, b1, b2 = random_window((1, 2, 1))
-    state = ([], {})
-    call(task, b0, state, probe, 3)
-    module.forward = lambda **kw: (_ for _ in ()).throw(RuntimeError("out of memory"))
-    with pytest.raises(RuntimeError, match="out of memory"):
-        call(task, b1, state, probe, 3)
-    del module.forward
-    refused("has 2 in its batch list but its window kept outputs of 1.*failed midway", task, b2, state, probe, 3)
-    assert probe.steps == 0
-
-
 def test_a_window_filled_through_two_models_is_refused_before_the_second_forward(generation):
-    import copy
-
     task, other = generation(), generation()
     probe = GradProbe(named_params(task))
     b0, b1 = random_window((2, 1))
     state = ([], {})
     call(task, b0, state, probe)
-    refused("microbatch 1 of the window came through another model .task.trainable_module, a CountingModule.",
+    refused(r"microbatch 1 of the window came through another model than microbatch 0 \(task.trainable_module's: "
+            r"\w+ at 0x[0-9a-f]+; microbatch 0's: \w+ at 0x[0-9a-f]+\)",
             other, b1, state, GradProbe(named_params(other)))
     assert task.trainable_module.forwards == 1 and all(p.grad is None for p in other.parameters())
     result = call(copy.copy(task), b1, state, probe)  # another task object around the same model is one model
     assert split_result(result)[1] == 3 and probe.steps == 1
+
+
+def test_a_compiled_wrapper_made_anew_for_each_microbatch_is_one_model(generation):
+    task = generation()
+    model, probe = task.trainable_module, GradProbe(named_params(task))
+    batches = random_window((1, 2, 1))
+    state = ([], {})
+    with torch.compiler.set_stance("force_eager"):  # the wrappers' identity is under test, not compiling
+        for b in batches:
+            task.trainable_module = torch.compile(model, backend="eager")
+            result = call(task, b, state, probe, 3)
+    assert split_result(result)[1] == 4
+    _exact(task, probe, batches)
+
+
+def test_a_deep_copy_of_a_partly_filled_state_is_a_window_of_its_own(generation):
+    task = generation()
+    probe = GradProbe(named_params(task))
+    batches = random_window((1, 2, 1))
+    state = ([], {})
+    call(task, batches[0], state, probe, 3)
+    copied = copy.deepcopy(state)
+    for b in batches[1:]:
+        call(task, b, copied, probe, 3)
+    _exact(task, probe, batches)
+    refused("microbatch 1 of the window cannot be checked against microbatch 0's model: the state was pickled",
+            task, batches[1], pickle.loads(pickle.dumps(state)), probe, 3)
+    for b in batches[1:]:  # the original goes on as it was
+        call(task, b, state, probe, 3)
+    assert probe.steps == 2
 
 
 @pytest.mark.parametrize("state,match", [
@@ -277,6 +353,20 @@ def test_sync_off_for_all_but_last_replay(counted):
     task = counted(fsdp_like=True)
     run_window(task, random_window((1, 2, 1)), make_args(accum_freq=3))
     assert task.trainable_module.sync_calls == [False, True, False, True]
+
+
+def test_a_logit_parameter_the_loss_leaves_out_keeps_no_gradient(make_task):
+    """CoCa's task drops logit_bias from the loss: as after a full-batch backward, it has no gradient (not a
+    zero one, which weight decay would act on), while logit_scale has one."""
+    task = make_task("coca", False, logit_bias=True)
+    batches = random_window((2, 1, 3), spec=window_spec("coca"))
+    run_window(task, batches, make_args(accum_freq=3), optimizer=torch.optim.SGD(task.parameters(), lr=0.0))
+    model = task.trainable_module
+    assert model.logit_bias.grad is None and model.logit_scale.grad is not None
+    task.zero_grad(set_to_none=True)
+    losses, _, _ = task_result(task(concat_batches(batches)), "task(batch)", None)
+    total_loss(losses).backward()  # the full-batch backward
+    assert model.logit_bias.grad is None and model.logit_scale.grad is not None
 
 
 def test_clip_once_per_window_and_clamp_after_step(counted, monkeypatch):
@@ -342,5 +432,25 @@ def test_ddp_world_size_one(tmp_path, make_task, step):
             assert r.passed, r
             r = audit_case(step, ddp_task, "siglip", "sqrt", split, stochastic=True)
             assert r.passed, r
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_window_mixing_ddp_and_its_bare_model_is_refused(tmp_path, generation):
+    """The gradient sync rides on the DDP wrapper (no_sync on all but the last backward): a window that goes
+    through DDP and then the bare model would sync nothing, so the two are two models here."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        task = generation()
+        bare, probe = task.trainable_module, GradProbe(named_params(task))
+        batches, state = random_window((1, 2)), ([], {})
+        task.trainable_module = wrapped = DDP(bare)  # kept alive: the window holds it weakly
+        call(task, batches[0], state, probe, 2)
+        task.trainable_module = bare
+        refused("came through another model than microbatch 0", task, batches[1], state, probe, 2)
+        del wrapped
     finally:
         dist.destroy_process_group()

@@ -125,6 +125,9 @@ def test_b16_state_dict_keys_match_open_clip():
     (["--naflex-seq-lens", "512"], "--naflex-seq-lens"),
     (["--config", "no-such-preset"], "--config"),
     (["--precision", "fp8"], "--precision"),
+    (["--torchcompile", "--torchcompile-mode", "bogus"], "--torchcompile-mode bogus: Unrecognized mode=bogus, should "
+                                                          "be one of: default"),
+    (["--torchcompile", "--torchcompile-backend", "bogus"], "--torchcompile-backend bogus: Invalid backend"),
 ])
 def test_bad_inputs_exit_2_with_one_line(shards, tmp_path, capsys, extra, message):
     code = cli_main(["train", *argv(shards, tmp_path, "bad"), *extra])
@@ -179,3 +182,31 @@ def test_several_patch_sizes_train(shards, tmp_path):
     result = train(argv(shards, tmp_path, "ps", "--epochs", "1", "--naflex-patch-sizes", "16", "32",
                         "--naflex-seq-lens", "16", "--accum-freq", "2"))
     assert result["global_step"] > 0 and all(v == v for v in result["epoch_losses"])
+
+
+def test_several_patch_sizes_evaluate_and_zero_shot_at_the_first_size(shards, tmp_path):
+    """--naflex-patch-sizes 8 16: the held-out and zero-shot batches (at 8, not the tower's native 16) reach the
+    tower as it takes them, unflattened, as training's do."""
+    result = train(argv(shards, tmp_path, "ps816", "--epochs", "1", "--naflex-patch-sizes", "8", "16",
+                        "--accum-freq", "2", "--zeroshot-classes", "demo-shapes", "--zeroshot-frequency", "1"))
+    (epoch, metrics), = result["evals"]
+    assert epoch == 1 and {"image_to_text_R@1", "clip_val_loss", "shapes-zeroshot-val-top1"} <= metrics.keys()
+
+
+def test_a_run_resumed_with_more_patch_sizes_exports_them(shards, tmp_path):
+    """Epoch 1 at the default size, epoch 2 resumed with --naflex-patch-sizes 8 16: each checkpoint records the
+    sizes it was trained with, and epoch_2.pt exports the tower taking both (not the first params.txt's one)."""
+    import json
+
+    from naflex_accum.commands.export import export
+
+    train(argv(shards, tmp_path, "more", "--epochs", "1", "--save-every-n-steps", "1"))
+    train(argv(shards, tmp_path, "more", "--naflex-patch-sizes", "8", "16", "--resume", "latest"))
+    ckpts = tmp_path / "more" / "checkpoints"
+    recorded = {p.name: torch.load(p, weights_only=True)["naflex_patch_sizes"] for p in ckpts.glob("*.pt")}
+    steps = [sizes for name, sizes in recorded.items() if name.startswith("step_")]  # mid-epoch ones too
+    assert steps and steps[0] == recorded["epoch_1.pt"] == [16] and recorded["epoch_2.pt"] == [8, 16]
+    export(ckpts / "epoch_2.pt", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "open_clip_config.json").read_text())
+    assert config["naflex_patch_sizes"] == [8, 16]
+    assert config["model_cfg"]["vision_cfg"]["timm_model_name"].endswith("_flexi")

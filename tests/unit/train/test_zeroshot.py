@@ -28,12 +28,12 @@ def eval_args(**overrides):
     return SimpleNamespace(**{**args, **overrides})
 
 
-def tiny_task(seed=0):
+def tiny_task(seed=0, patch_sizes=None):
     from naflex_accum.models import create_model
     from naflex_accum.tasks import create_task
 
     torch.manual_seed(seed)
-    return create_task(create_model("naflex-tiny"))
+    return create_task(create_model("naflex-tiny", patch_sizes=patch_sizes))
 
 
 def test_demo_class_list():
@@ -62,18 +62,20 @@ def test_bad_class_list_is_one_line(tmp_path, text, message):
     assert message in str(exc.value) and "\n" not in str(exc.value) and str(path) in str(exc.value)
 
 
-def test_zero_shot_matches_a_direct_computation(shards):
-    """Top-1/top-5 from the evaluator equal a per-image loop over open_clip's encoders and our own classifier."""
+@pytest.mark.parametrize("sizes", [[16], [8, 16]], ids=str)
+def test_zero_shot_matches_a_direct_computation(shards, sizes):
+    """Top-1/top-5 from the evaluator equal a per-image loop over open_clip's encoders and our own classifier, at
+    the first of --naflex-patch-sizes (unflattened for a tower of several sizes, as training's batches)."""
     from open_clip.tokenizer import SimpleTokenizer
 
     from naflex_accum.data.decode import decode_for_seq
     from naflex_accum.data.patches import collate_images
     from naflex_accum.data.samples import tar_members
 
-    task = tiny_task()
+    task = tiny_task(patch_sizes=sizes)
     model = task.trainable_module
-    evaluator = zeroshot.make_zero_shot(eval_args(zeroshot_classes="demo-shapes", val_data=shards.val),
-                                        model, World(), torch.device("cpu"))
+    evaluator = zeroshot.make_zero_shot(eval_args(zeroshot_classes="demo-shapes", val_data=shards.val,
+                                                  naflex_patch_sizes=sizes), model, World(), torch.device("cpu"))
     metrics = evaluator(task, 1, nullcontext)
     assert set(metrics) == {"shapes-zeroshot-val-top1", "shapes-zeroshot-val-top5"}
     assert model.training  # left in train mode
@@ -92,8 +94,8 @@ def test_zero_shot_matches_a_direct_computation(shards):
             if "json" in files and ("jpg" in files or "png" in files):
                 attrs = json.loads(files["json"])
                 label = classes.classnames.index(f"{attrs['colour']} {attrs['shape']}")
-                image = decode_for_seq(files.get("jpg") or files["png"], 16, 16)
-                patches = collate_images([image], 16, 16)
+                image = decode_for_seq(files.get("jpg") or files["png"], 16, sizes[0])
+                patches = collate_images([image], 16, sizes[0], flatten=len(sizes) == 1)
                 ranked = (model.encode_image(patches, normalize=True) @ embeds.t()).argsort(descending=True)[0]
                 top1 += int(ranked[0] == label)
                 top5 += int(label in ranked[:5])
