@@ -18,9 +18,10 @@ setup-test:
 test: setup-test
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
-# The unit tier (tests/unit: one process each, no subprocess or loader worker), before every commit.
+# The unit tier (tests/unit: no subprocess or loader worker inside a test), before every commit; its files in
+# parallel as in `make test`.
 test-fast: setup-test
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder tests/unit
 
 # The plain run of upstream's own tests at the pinned commit, recorded for test_upstream_suite.py: after a new pin,
 # another list of upstream's files, or another torch or timm.

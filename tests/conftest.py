@@ -33,9 +33,11 @@ def make_task():
 
 
 # `make test` hands whole files to its workers in collection order (--dist loadfile --no-loadscope-reorder):
-# the longest first, measured on 2 cores, so that no worker is left alone with one of them at the end, then the
-# rest of the integration tier, then the unit tier's short files to fill the gaps. Order within a file is kept.
+# the real SLURM first (the longest, mostly waiting on its daemons and jobs), then the longest others, measured on
+# 2 cores, so that no worker is left alone with one of them at the end, then the rest of the integration tier,
+# then the unit tier's short files to fill the gaps. Order within a file is kept.
 LONGEST_FIRST = (
+    "integration/test_slurm.py",
     "integration/test_upstream_suite.py",
     "integration/test_compile.py",
 )
