@@ -21,7 +21,8 @@ full-batch backward does: one round per window.
 
 Prints one JSON line per case from rank 0; exits 1 if any case fails on any rank.
 ``--bug NAME`` runs a reference bug (``naflex_accum.testing.bugs``) in both modes instead of ours;
-``--quick`` only the first two cases of each wrapping.
+``--quick`` only the first two cases of each wrapping. ``--then`` starts another set of these options in the
+same processes (several checks for one torchrun start); each line's ``job`` says which set it belongs to.
 """
 import argparse
 import importlib
@@ -134,14 +135,14 @@ def run_case(rank, world, wrap, loss, options, split, mode, step, counter, find_
             "reduction_rounds": rounds, "reference_rounds": ref_rounds, "passed": ok}
 
 
-def parse_args():
+def parse_args(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--wrap", choices=tuple(CASES), nargs="+", default=["ddp"])
     parser.add_argument("--find-unused-parameters", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--bug", default=None, help="a reference bug to run in both modes instead of ours")
     parser.add_argument("--step", default=None, help="MODULE:FUNCTION to audit instead of ours")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.step is not None:
         module, _, name = args.step.partition(":")
         args.steps = {args.step: getattr(importlib.import_module(module), name)}
@@ -156,24 +157,28 @@ def main() -> int:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="Grad strides do not match")  # DDP perf note on a [1,1,C] token
     warnings.filterwarnings("ignore", category=FutureWarning)
-    args = parse_args()
+    groups = [[]]
+    for arg in sys.argv[1:]:
+        groups.append([]) if arg == "--then" else groups[-1].append(arg)
+    jobs = [parse_args(group) for group in groups]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     counter = Counter()
-    if any(wrap.startswith("fsdp2") for wrap in args.wrap):
+    if any(wrap.startswith("fsdp2") for args in jobs for wrap in args.wrap):
         counter.wrap_reduce_scatter()
     failed = 0
-    for wrap in args.wrap:
-        for mode, step in args.steps.items():
-            for loss, options, split in CASES[wrap][:2] if args.quick else CASES[wrap]:
-                result = run_case(rank, world, wrap, loss, options, split, mode, step, counter,
-                                  args.find_unused_parameters)
-                gathered = [None] * world
-                dist.all_gather_object(gathered, result)
-                if rank == 0:
-                    for r in gathered:
-                        print(json.dumps(r), flush=True)
-                failed += sum(not r["passed"] for r in gathered)
+    for job, args in enumerate(jobs):
+        for wrap in args.wrap:
+            for mode, step in args.steps.items():
+                for loss, options, split in CASES[wrap][:2] if args.quick else CASES[wrap]:
+                    result = run_case(rank, world, wrap, loss, options, split, mode, step, counter,
+                                      args.find_unused_parameters)
+                    gathered = [None] * world
+                    dist.all_gather_object(gathered, {"job": job, **result})
+                    if rank == 0:
+                        for r in gathered:
+                            print(json.dumps(r), flush=True)
+                    failed += sum(not r["passed"] for r in gathered)
     dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
     return 1 if failed else 0

@@ -28,6 +28,23 @@ def argv(setup, name, *extra):
     return out[:at + 1] + list(SEQ_LENS) + out[at + 2:]
 
 
+@pytest.fixture(scope="module")
+def runs():
+    """Each in-process run once per module (a compiled one costs tens of seconds): ``runs(argv)`` trains and
+    returns the frames dynamo compiled in each of its epochs, counted from a reset dynamo."""
+    done = {}
+
+    def run(args):
+        name = args[args.index("--name") + 1]
+        if name not in done:
+            torch._dynamo.reset()
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                done[name] = frames_per_epoch(monkeypatch)
+                train_in_process(args)
+        return done[name]
+    return run
+
+
 def frames_per_epoch(monkeypatch):
     """Frames dynamo compiles in each epoch of the next run."""
     from torch._dynamo.utils import counters
@@ -60,12 +77,10 @@ def max_diff(a, b):
 
 
 @pytest.mark.parametrize("mode", ["cached-loss", "replay"])
-def test_compiled_runs_match_eager_and_compile_nothing_after_the_first_epoch(setup, monkeypatch, mode):
+def test_compiled_runs_match_eager_and_compile_nothing_after_the_first_epoch(setup, runs, mode):
     folder = setup[0]
-    train_in_process(argv(setup, f"eager-{mode}", "--accum-mode", mode))
-    torch._dynamo.reset()
-    per_epoch = frames_per_epoch(monkeypatch)
-    train_in_process(argv(setup, f"compiled-{mode}", "--accum-mode", mode, "--torchcompile"))
+    runs(argv(setup, f"eager-{mode}", "--accum-mode", mode))
+    per_epoch = runs(argv(setup, f"compiled-{mode}", "--accum-mode", mode, "--torchcompile"))
     eager, compiled = (weights(folder / f"logs/{n}-{mode}/checkpoints/epoch_2.pt") for n in ("eager", "compiled"))
     assert max_diff(eager, compiled) < 1e-5
     assert max_diff(eager, weights(folder / f"logs/eager-{mode}/checkpoints/epoch_1.pt")) > 1e-4  # it trained
@@ -73,15 +88,11 @@ def test_compiled_runs_match_eager_and_compile_nothing_after_the_first_epoch(set
     assert per_epoch[0] > 0 and per_epoch[1] == 0, per_epoch
 
 
-def test_three_sequence_lengths_compile_no_more_than_twice_one(setup, monkeypatch, tmp_path):
+def test_three_sequence_lengths_compile_no_more_than_twice_one(setup, runs):
     folder, shards, model = setup
-    one = run_argv(shards, model, folder / "logs", "one-length", "--torchcompile", epochs=1, workers=0)
-    torch._dynamo.reset()
-    per_epoch = frames_per_epoch(monkeypatch)
-    train_in_process(one)
-    torch._dynamo.reset()
-    train_in_process(argv(setup, "three-lengths", "--torchcompile"))
-    assert per_epoch[1] <= 2 * per_epoch[0], per_epoch  # not one compile per length and batch size
+    one = runs(run_argv(shards, model, folder / "logs", "one-length", "--torchcompile", epochs=1, workers=0))
+    three = runs(argv(setup, "compiled-cached-loss", "--accum-mode", "cached-loss", "--torchcompile"))
+    assert three[0] <= 2 * one[0], (one, three)  # not one compile per length and batch size
 
 
 def test_compiled_accumulation_equals_a_compiled_full_batch_backward_with_the_same_masks():
@@ -123,10 +134,10 @@ def test_compiled_accumulation_equals_a_compiled_full_batch_backward_with_the_sa
         assert err <= 1e-5 and all(abs(r - 1) <= 1e-5 for r in ratios.values()), (step, err, worst, ratios)
 
 
-def test_compiled_with_grad_checkpointing_matches_eager(setup):
+def test_compiled_with_grad_checkpointing_matches_eager(setup, runs):
     folder = setup[0]
-    torch._dynamo.reset()
-    train_in_process(argv(setup, "compiled-gc", "--torchcompile", "--grad-checkpointing"))
+    runs(argv(setup, "eager-cached-loss", "--accum-mode", "cached-loss"))
+    runs(argv(setup, "compiled-gc", "--torchcompile", "--grad-checkpointing"))
     eager = weights(folder / "logs/eager-cached-loss/checkpoints/epoch_2.pt")
     assert max_diff(eager, weights(folder / "logs/compiled-gc/checkpoints/epoch_2.pt")) < 1e-5
 

@@ -1,13 +1,16 @@
 """Decode memory: bounded in bytes from the header (``images.peak_bytes``, ``decode.DECODE_BUDGET``).
 
-The real thing in subprocesses, their peak resident memory read from ``/proc/self/status``
+The real thing in fresh processes, their peak resident memory read from ``/proc/self/status``
 (``VmHWM``, reset first): PNG bombs under Pillow's pixel limit (13000 x 13000 RGBA, 16-bit
 and 8-bit, a few MB each) stay within the budget plus a margin, and each decode path stays
-within its own estimate (with the budget out of the way). In-process: an image over the
+within its own estimate (with the budget out of the way). Each image is decoded in its own
+fork of one process that imported torch and the decoders once (``decoder``): a new process's
+memory and allocator, without importing torch per image. In-process: an image over the
 budget is decoded reduced where it can be (a JPEG), else refused in one line.
 """
 
 
+import select
 import struct
 import subprocess
 import sys
@@ -20,9 +23,12 @@ from unit.data.test_memory import _chunk, image  # noqa: F401 (fixtures)
 
 MIB = 1 << 20
 
-# What a subprocess decoding one file reports: its peak memory growth over the decode, in bytes, and the outcome.
+# A process that imported torch and the decoders, then for each "PATH BUDGET" line on stdin decodes PATH in a fresh
+# fork of itself and prints its peak memory growth over the decode, in bytes, and the outcome ("failed" if it died).
 PEAK = r"""
+import os
 import sys
+import traceback
 import torch
 torch.set_num_threads(1)
 from naflex_accum.data import decode
@@ -31,23 +37,49 @@ def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
-path, budget = sys.argv[1], int(sys.argv[2])
-if budget:
-    decode.DECODE_BUDGET = budget
-with open(path + ".small", "rb") as f:
-    decode.decode_for_seq(f.read(), 256, 16, "full")  # the decoders' libraries loaded
-with open(path, "rb") as f:
-    data = f.read()
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak (VmHWM) starts again from here
-base = status("VmRSS")
-try:
-    out = decode.decode_for_seq(data, 256, 16, "full")
-    outcome = f"decoded {tuple(out.shape)}"
-except ValueError as exc:
-    outcome = f"refused: {exc}"
-print(status("VmHWM") - base, outcome)
+def measure(path, budget):
+    if budget:
+        decode.DECODE_BUDGET = budget
+    with open(path + ".small", "rb") as f:
+        decode.decode_for_seq(f.read(), 256, 16, "full")  # the decoders' libraries loaded
+    with open(path, "rb") as f:
+        data = f.read()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from here
+    base = status("VmRSS")
+    try:
+        out = decode.decode_for_seq(data, 256, 16, "full")
+        outcome = f"decoded {tuple(out.shape)}"
+    except ValueError as exc:
+        outcome = f"refused: {exc}"
+    print(status("VmHWM") - base, outcome, flush=True)
+
+for line in sys.stdin:
+    path, budget = line.rstrip("\n").rsplit(" ", 1)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            measure(path, int(budget))
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    if os.waitpid(pid, 0)[1] != 0:
+        print("failed", flush=True)
 """
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    """The process that forks one child per decode (``PEAK``), and the file its errors go to."""
+    errors = tmp_path_factory.mktemp("decoder") / "stderr.txt"
+    with open(errors, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", PEAK], env=SUBPROCESS_ENV, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    yield proc, errors
+    proc.stdin.close()
+    proc.wait(timeout=60)
 
 
 def png_bomb(side: int, bits16: bool) -> bytes:
@@ -59,16 +91,19 @@ def png_bomb(side: int, bits16: bool) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
 
 
-def peak(path, budget: int = 0):
-    done = subprocess.run([sys.executable, "-c", PEAK, str(path), str(budget)], env=SUBPROCESS_ENV,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    grown, outcome = done.stdout.strip().split(" ", 1)
+def peak(decoder, path, budget: int = 0):
+    proc, errors = decoder
+    proc.stdin.write(f"{path} {budget}\n")
+    proc.stdin.flush()
+    ready, _, _ = select.select([proc.stdout], [], [], 300)
+    line = proc.stdout.readline().strip() if ready else "timed out"
+    assert line not in ("failed", "timed out", ""), f"{line}: {errors.read_text()[-3000:]}"
+    grown, outcome = line.split(" ", 1)
     return int(grown), outcome
 
 
 @pytest.mark.parametrize("bits16", [True, False], ids=["16-bit", "8-bit"])
-def test_a_png_bomb_under_the_pixel_limit_stays_within_the_decode_budget(tmp_path, bits16):
+def test_a_png_bomb_under_the_pixel_limit_stays_within_the_decode_budget(decoder, tmp_path, bits16):
     """Red before: 6.3 / 5.7 GiB (int32 copies of the whole image) and 26 / 17 s, then decoded."""
     from naflex_accum.data.decode import DECODE_BUDGET
 
@@ -76,7 +111,7 @@ def test_a_png_bomb_under_the_pixel_limit_stays_within_the_decode_budget(tmp_pat
     path.write_bytes(png_bomb(13000, bits16))
     (tmp_path / "bomb.png.small").write_bytes(png_bomb(64, bits16))
     assert 13000 * 13000 <= 2 * Image.MAX_IMAGE_PIXELS and path.stat().st_size < 10 * MIB  # under the bomb limit
-    grown, outcome = peak(path)
+    grown, outcome = peak(decoder, path)
     print(f"{'16' if bits16 else '8'}-bit RGBA 13000x13000 PNG ({path.stat().st_size / MIB:.1f} MB): peak grew "
           f"{grown / MIB:.0f} MiB; {outcome}")
     assert grown < DECODE_BUDGET + 256 * MIB, outcome
@@ -86,7 +121,7 @@ KINDS = ("16-bit RGBA PNG", "16-bit RGB PNG", "RGBA PNG", "JPEG", "RGBA WebP", "
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_each_decode_path_stays_within_its_estimate(tmp_path, kind):
+def test_each_decode_path_stays_within_its_estimate(decoder, tmp_path, kind):
     """Red before: no estimate; the 16-bit and alpha paths took 3-4 times the bytes they take now."""
     from naflex_accum.data import images
 
@@ -94,7 +129,7 @@ def test_each_decode_path_stays_within_its_estimate(tmp_path, kind):
     path.write_bytes(image(kind, 3000, 4000))
     (tmp_path / "image.small").write_bytes(image(kind, 64, 64))
     estimate = images.peak_bytes(images.inspect(path.read_bytes()))
-    grown, outcome = peak(path, budget=1 << 40)
+    grown, outcome = peak(decoder, path, budget=1 << 40)
     print(f"{kind} 4000x3000: peak grew {grown / MIB:.1f} MiB, estimate {estimate / MIB:.1f} MiB; {outcome}")
     assert outcome.startswith("decoded")
     assert grown <= estimate + 8 * MIB

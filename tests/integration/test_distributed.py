@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -27,10 +28,28 @@ def dist_rows(*args):
     return proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def test_two_process_accumulation_equals_full_batch():
+@pytest.fixture(scope="module")
+def checks():
+    """Ours, upstream's bugs, a missing no_sync and ours under a bf16 FSDP2 policy, in one torchrun start (last
+    the one that a regression crashes): ``checks(check)`` gives its rows."""
+    proc, rows = dist_rows("--wrap", "ddp", "fsdp2", "--then", "--bug", "upstream-style",
+                           "--then", "--wrap", "ddp", "fsdp2", "--bug", "always-sync", "--find-unused-parameters",
+                           "--quick", "--then", "--wrap", "fsdp2-bf16")
+    tail = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode in (0, 1), tail  # 1: some case failed (a bug's)
+    by_check = {check: [r for r in rows if r["job"] == job] for job, check in enumerate(("ours", "upstream-style",
+                                                                                           "always-sync", "bf16"))}
+
+    def rows_of(check):
+        """A check's rows; none (a rank crashed before them) fails with the start's output."""
+        assert by_check[check], f"no rows for {check}: the torchrun start ended before them\n{tail}"
+        return by_check[check]
+    return rows_of
+
+
+def test_two_process_accumulation_equals_full_batch(checks):
     """DDP (CLIP, SigLIP, CoCa) and real FSDP2, both modes: exact, and one gradient reduction per window."""
-    proc, rows = dist_rows("--wrap", "ddp", "fsdp2")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = checks("ours")
     ddp = [r for r in rows if r["wrap"] == "ddp"]
     fsdp = [r for r in rows if r["wrap"] == "fsdp2"]
     assert len(ddp) == 2 * 2 * 6 and len(fsdp) == 2 * 2 * 2 and all(r["passed"] for r in rows)
@@ -44,27 +63,26 @@ def test_two_process_accumulation_equals_full_batch():
     assert worst <= 1e-5
 
 
-def test_two_process_fsdp2_bf16_policy_equals_full_batch():
+def test_two_process_fsdp2_bf16_policy_equals_full_batch(checks):
     """Upstream's ``--fsdp --precision amp_bf16`` sharding (bf16 parameters, fp32 reduction), both modes: the
     window trains (one dtype per reduce-scatter) and matches one full-batch backward to bf16 round-off."""
-    proc, rows = dist_rows("--wrap", "fsdp2-bf16")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = checks("bf16")
     assert len(rows) == 2 * 2 * 2 and all(r["passed"] for r in rows)
     assert all(r["reduction_rounds"] == r["reference_rounds"] > 0 for r in rows)
     assert all(set(r["logit_ratios"]) == ({"logit_scale", "logit_bias"} if r["loss"] == "siglip" else
                                           {"logit_scale"}) for r in rows)
 
 
-def test_two_process_check_catches_upstream_bugs():
-    proc, rows = dist_rows("--bug", "upstream-style")
-    assert proc.returncode == 1 and rows and not any(r["passed"] for r in rows)
+def test_two_process_check_catches_upstream_bugs(checks):
+    rows = checks("upstream-style")
+    assert not any(r["passed"] for r in rows)
     assert {r["mode"] for r in rows} == {"replay", "cached-loss"}
 
 
-def test_two_process_check_catches_a_missing_no_sync():
+def test_two_process_check_catches_a_missing_no_sync(checks):
     """Gradient sync left on in every backward: gradients still exact, only the reduction count shows it."""
-    proc, rows = dist_rows("--wrap", "ddp", "fsdp2", "--bug", "always-sync", "--find-unused-parameters", "--quick")
-    assert proc.returncode == 1 and rows and not any(r["passed"] for r in rows)
+    rows = checks("always-sync")
+    assert not any(r["passed"] for r in rows)
     assert all(r["tower_rel_err"] <= 1e-5 for r in rows)
     assert all(r["reduction_rounds"] == len(r["split"]) * r["reference_rounds"] for r in rows)
     assert {(r["wrap"], r["mode"]) for r in rows} == {(w, m) for w in ("ddp", "fsdp2") for m in ("replay",

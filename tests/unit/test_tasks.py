@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from pairwise import pairwise
 from unit.accum.test_equivalence import ACCUM, LOSS_SCALES, assert_exact
 
 from naflex_accum import cached_loss_step, replay_step
@@ -20,9 +21,7 @@ from naflex_accum.upstream.audit import GradProbe, audit_case, default_task_fact
 SPLITS = ((1, 2), (2, 1), (3, 5), (1, 2, 5), (5, 2, 1))
 
 
-@pytest.mark.parametrize("split", SPLITS, ids=str)
-@pytest.mark.parametrize("mode", LOSS_SCALES)
-@pytest.mark.parametrize("accum", ACCUM)
+@pytest.mark.parametrize("accum,mode,split", pairwise(accum=tuple(ACCUM), mode=LOSS_SCALES, split=SPLITS))
 def test_coca_equivalence(accum, mode, split):
     assert_exact(audit_case(ACCUM[accum], default_task_factory, "coca", mode, split))
 
@@ -44,10 +43,8 @@ def test_coca_with_a_logit_bias_the_loss_drops(accum):
     assert "logit_bias" not in r.logit_ratios  # zero in the reference, so compared as a tower parameter
 
 
-@pytest.mark.parametrize("split", SPLITS, ids=str)
-@pytest.mark.parametrize("mode", LOSS_SCALES)
-@pytest.mark.parametrize("loss", ("clip", "siglip"))
-@pytest.mark.parametrize("accum", ACCUM)
+@pytest.mark.parametrize("accum,loss,mode,split", pairwise(accum=tuple(ACCUM), loss=("clip", "siglip"),
+                                                             mode=LOSS_SCALES, split=SPLITS))
 def test_mutating_task_equivalence(accum, loss, mode, split):
     assert_exact(audit_case(ACCUM[accum], make_mutating_task, loss, mode, split))
 

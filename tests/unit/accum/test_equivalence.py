@@ -5,6 +5,7 @@ window scale times the gradient of one explicit full-batch backward (relative
 error <= 1e-5), with logit_scale/logit_bias ratio 1.0.
 """
 import pytest
+from pairwise import pairs_covered, pairwise
 
 from naflex_accum import cached_loss_step, replay_step
 from naflex_accum.testing.bugs import bug_step
@@ -17,6 +18,22 @@ STEP_MODES = tuple(ACCUM)
 LOSS_SCALES = ("none", "linear", "sqrt")
 LOSSES = ("clip", "siglip")
 UNEVEN = ((1, 2), (2, 1), (3, 5), (5, 3), (1, 2, 5), (5, 2, 1))
+# Every pair of step mode, loss, loss scale and split (tests/pairwise.py); the stochastic grid takes other
+# combinations beyond the pairs than the plain one.
+GRID = dict(accum=STEP_MODES, loss=LOSSES, mode=LOSS_SCALES, split=AUDIT_SPLITS)
+EXACT, EXACT_STOCHASTIC = pairwise(**GRID), pairwise(shift=1, **GRID)
+PER_REPLAY_GRID = dict(accum=STEP_MODES, loss=LOSSES, mode=("linear", "sqrt"), split=UNEVEN)
+PER_REPLAY = pairwise(**PER_REPLAY_GRID)
+LOGIT_K_GRID = dict(accum=STEP_MODES, loss=LOSSES, mode=LOSS_SCALES, split=((1, 2), (4, 4), (1, 2, 5)))
+LOGIT_K_TIMES = pairwise(**LOGIT_K_GRID)
+UNREPLAYED_GRID = dict(accum=STEP_MODES, loss=LOSSES, split=((1, 2), (4, 4), (5, 2, 1)))
+UNREPLAYED = pairwise(**UNREPLAYED_GRID)
+
+
+def test_the_grids_hold_every_pair():
+    for cases, factors in ((EXACT, GRID), (EXACT_STOCHASTIC, GRID), (PER_REPLAY, PER_REPLAY_GRID),
+                           (LOGIT_K_TIMES, LOGIT_K_GRID), (UNREPLAYED, UNREPLAYED_GRID)):
+        assert pairs_covered(cases, **factors)
 
 
 def assert_exact(r, tol=1e-5):
@@ -28,18 +45,12 @@ def assert_exact(r, tol=1e-5):
     assert r.passed
 
 
-@pytest.mark.parametrize("split", AUDIT_SPLITS, ids=str)
-@pytest.mark.parametrize("mode", LOSS_SCALES)
-@pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("accum", ACCUM)
+@pytest.mark.parametrize("accum,loss,mode,split", EXACT)
 def test_full_batch_equivalence(make_task, accum, loss, mode, split):
     assert_exact(audit_case(ACCUM[accum], make_task, loss, mode, split))
 
 
-@pytest.mark.parametrize("split", AUDIT_SPLITS, ids=str)
-@pytest.mark.parametrize("mode", LOSS_SCALES)
-@pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("accum", ACCUM)
+@pytest.mark.parametrize("accum,loss,mode,split", EXACT_STOCHASTIC)
 def test_full_batch_equivalence_stochastic(make_task, accum, loss, mode, split):
     """Patch dropout 0.5 and drop path in the image tower, dropout in the text tower."""
     assert_exact(audit_case(ACCUM[accum], make_task, loss, mode, split, stochastic=True))
@@ -57,9 +68,7 @@ def checkpointed_task(loss, stochastic):
     return default_task_factory(loss, stochastic, grad_checkpointing=True)
 
 
-@pytest.mark.parametrize("split", ((1, 2), (3, 1, 4)), ids=str)
-@pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("accum", ACCUM)
+@pytest.mark.parametrize("accum,loss,split", pairwise(accum=STEP_MODES, loss=LOSSES, split=((1, 2), (3, 1, 4))))
 def test_grad_checkpointing_equivalence(accum, loss, split):
     """``model.set_grad_checkpointing(True)`` (both towers recompute in backward), stochastic layers on."""
     assert_exact(audit_case(ACCUM[accum], checkpointed_task, loss, "linear", split, stochastic=True))
@@ -99,19 +108,13 @@ def test_cached_loss_evaluates_the_loss_once_per_window(make_task, loss):
     assert len(calls) == 3  # replay: once per microbatch, as upstream
 
 
-@pytest.mark.parametrize("split", UNEVEN, ids=str)
-@pytest.mark.parametrize("mode", ("linear", "sqrt"))
-@pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("accum", STEP_MODES)
+@pytest.mark.parametrize("accum,loss,mode,split", PER_REPLAY)
 def test_per_replay_scale_bug_is_caught(make_task, accum, loss, mode, split):
     r = audit_case(bug_step("per-replay-scale", accum), make_task, loss, mode, split)
     assert r.tower_rel_err > 1e-2 and not r.passed
 
 
-@pytest.mark.parametrize("split", ((1, 2), (4, 4), (1, 2, 5)), ids=str)
-@pytest.mark.parametrize("mode", LOSS_SCALES)
-@pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("accum", STEP_MODES)
+@pytest.mark.parametrize("accum,loss,mode,split", LOGIT_K_TIMES)
 def test_logit_k_times_bug_is_caught(make_task, accum, loss, mode, split):
     r = audit_case(bug_step("logit-k-times", accum), make_task, loss, mode, split)
     for ratio in r.logit_ratios.values():
@@ -119,9 +122,7 @@ def test_logit_k_times_bug_is_caught(make_task, accum, loss, mode, split):
     assert not r.passed
 
 
-@pytest.mark.parametrize("split", ((1, 2), (4, 4), (5, 2, 1)), ids=str)
-@pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("accum", STEP_MODES)
+@pytest.mark.parametrize("accum,loss,split", UNREPLAYED)
 def test_unreplayed_rng_bug_is_caught(make_task, accum, loss, split):
     r = audit_case(bug_step("no-rng-replay", accum), make_task, loss, "linear", split, stochastic=True)
     assert r.tower_rel_err > 1e-3 and not r.passed

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from pairwise import pairwise
 from unit.accum.test_equivalence import ACCUM
 
 from naflex_accum.testing.bugs import bug_step
@@ -41,13 +42,11 @@ def assert_close_bf16(r):
     assert r.loss_rel_err <= 1e-2 and r.step_batch_size == sum(r.split)
 
 
-@pytest.mark.parametrize("split", ((1, 2), (5, 2, 1)), ids=str)
-@pytest.mark.parametrize("stochastic", (False, True), ids=("plain", "stochastic"))
-@pytest.mark.parametrize("loss", ("clip", "siglip", "coca"))
-@pytest.mark.parametrize("accum", ACCUM)
+@pytest.mark.parametrize("accum,loss,stochastic,split", pairwise(  # every pair of them (tests/pairwise.py)
+    accum=tuple(ACCUM), loss=("clip", "siglip", "coca"), stochastic=("plain", "stochastic"), split=((1, 2), (5, 2, 1))))
 def test_bf16_autocast_equivalence(accum, loss, stochastic, split):
     assert_close_bf16(audit_case(ACCUM[accum], default_task_factory, loss, "linear", split,
-                                 stochastic=stochastic, autocast=bf16))
+                                 stochastic=stochastic == "stochastic", autocast=bf16))
 
 
 @pytest.mark.parametrize("accum", ACCUM)

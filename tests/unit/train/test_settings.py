@@ -129,7 +129,7 @@ def captionless_shards(shards, folder):
 @pytest.mark.parametrize("resume", [(), ("--resume", "latest")])
 def test_a_start_refused_late_leaves_no_run_folder(setup, tmp_path, capsys, resume):
     """A data error found at the first batch (exit 2) removes what the start created; the same --name then
-    starts again (not 'already exists'); a resumed folder keeps everything, its log included."""
+    starts again (not 'already exists')."""
     shards, model = setup
     nocap = captionless_shards(shards, tmp_path / "nocap")
     argv = run_argv(shards, model, tmp_path / "logs", "run", *resume, epochs=1, workers=0)
@@ -137,6 +137,13 @@ def test_a_start_refused_late_leaves_no_run_folder(setup, tmp_path, capsys, resu
     for _ in range(2):
         exit_2_one_line(capsys, argv, "--train-data: no usable sample left", "missing caption (.txt)")
         assert not (tmp_path / "logs").exists()
+
+
+def test_a_resume_refused_late_keeps_its_folder_and_removes_a_new_one(setup, tmp_path, capsys):
+    """A resumed folder keeps everything, its log included; a new folder resumed from another run's checkpoint
+    goes."""
+    shards, model = setup
+    nocap = captionless_shards(shards, tmp_path / "nocap")
     train_in_process(run_argv(shards, model, tmp_path, "kept", epochs=1, workers=0))
     before = sorted(p.name for p in (tmp_path / "kept").rglob("*"))
     argv = run_argv(shards, model, tmp_path, "kept", "--resume", "latest", epochs=2, workers=0)
