@@ -1,18 +1,9 @@
 """One training epoch: schedule, step, check, log, save; every optimizer step goes through the accumulation step.
 
-Invariants: the loop only feeds microbatches to the step and reads its result;
-the scale, RNG replay, sync and optimizer logic live in the step, so the
-built-in trainer and a patched upstream run share one implementation. The
-learning rate is set from the global step before each microbatch, as upstream.
-The loop reads nothing from the device per microbatch and at most once per
-optimizer step (the monitor's check; sample and token counts come from the
-loader's CPU-side metadata). The first window of a run checks that every rank
-has the same microbatch sizes (the window scale must agree across ranks). An
-epoch resumed at step S at the saved world size skips the data of steps < S and
-restores the random state saved at S, so it trains exactly as the uninterrupted
-epoch would have; at another world size it goes on with the epoch's global
-sample order where the saved run stopped (``data.order``), with fresh random
-streams, and the learning rate goes on from the fraction of the epoch done.
+Invariants: the loop only feeds microbatches to the step and reads its result (so the trainer and a patched
+upstream run share one implementation); it reads the device at most once per optimizer step (``monitor``);
+the first window checks that every rank has the same microbatch sizes; a resumed epoch trains as the
+uninterrupted one would (docs/long-runs.md, "Resuming" and "Elastic resume").
 """
 import itertools
 import logging
@@ -66,21 +57,14 @@ class Loop:
 
 
 def epoch_seed(seed: int, epoch: int, rank: int, base: int = 0) -> int:
-    """Per-(epoch, rank) seed for dropout-style randomness, so a resumed epoch draws what it would have.
-
-    A segment after a world-size change (``base`` > 0) gets seeds of its own: the saved ranks'
-    streams do not map onto the new ranks.
-    """
+    """Per-(epoch, rank) seed, so a resumed epoch draws what it would have; a segment after a world-size
+    change (``base`` > 0) gets its own (the saved ranks' streams do not map onto the new ranks)."""
     return (seed * 1_000_003 + epoch * 10_007 + rank + base * 7_919_111) % (2 ** 63)
 
 
 def lr_position(state, segment: Segment, step: int, k: int) -> float:
-    """Where segment step ``step`` is in the learning-rate schedule, in the schedule's own steps.
-
-    The fraction of the epoch done is the segment's starting fraction plus its share of the
-    rest, by steps of the segment: within an epoch run at one world size that is the step
-    itself; across a world-size change it goes on from where the saved run was.
-    """
+    """Segment step ``step`` in the schedule's own steps: the segment's starting fraction of the epoch plus its
+    share of the rest (at one world size, the step itself)."""
     ref, steps = state.lr_steps_per_epoch, max(1, segment.num_batches // k)
     if segment.progress == 0.0 and ref == steps:
         return ref * state.epoch + step

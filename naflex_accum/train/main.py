@@ -1,11 +1,8 @@
 """``naflex-accum train``: build model, task, data and optimizer; train, evaluate, checkpoint.
 
-Invariants: a run is a pure function of its flags and seed: a run stopped or
-killed at any moment and resumed with ``--resume latest`` ends with the weights
-of an uninterrupted one (model, optimizer, scaler, counters, the position in the
-epoch and every rank's random state are restored, the data order re-derived);
-everything is built and checked before the run folder is created or changed;
-the exit status says how the run ended (``EXIT_CODES``).
+Invariants: a run stopped at any moment and resumed with ``--resume latest`` ends with the weights of an
+uninterrupted one; everything is built and checked before the run folder is created or changed; the exit
+status says how the run ended (``EXIT_CODES``).
 """
 import logging
 import shlex
@@ -143,8 +140,7 @@ def _nonfinite_message(step: int, num_steps: int, saver: Saver) -> str:
 
 
 def _master_only(world, fn, *args):
-    """``fn(*args)`` on rank 0, kept there (None elsewhere); the others wait on the store meanwhile and share its
-    ``UsageError``."""
+    """``fn(*args)`` on rank 0 (None elsewhere); the others wait on the store and share its ``UsageError``."""
     kept = {}
     on_master(world, lambda: kept.update(value=fn(*args)))
     return kept.get("value")
@@ -308,12 +304,9 @@ def _parse(argv, prog):
 
 
 def train(argv=None, prog="naflex-accum train", ends_process: bool = False) -> dict:
-    """Parse, set up the process group, run, tear down; returns run()'s summary (rank 0's is complete).
-
-    With several processes, a failure on any rank ends every rank in the first failure's exit class, its
-    line printed once (``liveness``): this raises ``QuietUsageError`` or ``RankEnded`` where another rank's
-    failure was printed elsewhere. ``ends_process``: this process ends with the run (the entry points say so):
-    a scheduler's signal after the run has saved is then ignored (``preempt``)."""
+    """Parse, set up the process group, run, tear down; run()'s summary (rank 0's is complete). With several
+    processes every rank ends in the first failure's class (``liveness``): ``QuietUsageError`` or ``RankEnded``
+    where it was printed elsewhere. ``ends_process``: see ``preempt``."""
     args = _parse(argv, prog)
     world, code = connect(timeout=args.dist_timeout, prog=prog, ends_process=ends_process), None
     try:

@@ -1,16 +1,9 @@
 """Command-line flags of ``naflex-accum train``, with open_clip's names, plus ``--config`` presets.
 
-Invariants: the parsed namespace is complete and valid before anything is
-created: every bad value is a ``UsageError`` naming the flag and what is valid;
-a YAML preset only supplies defaults (flags on the command line win), and each
-of its values goes through its flag's own parsing (type, choices, number of
-values), so a preset cannot set what the command line would refuse; open_clip's
-precision names mean what they mean upstream or are refused. Sequence lengths
-are each given once and kept in ascending order (with their weights), so one set
-of lengths is one run whatever order it was typed in; ``--resume latest`` names
-its run folder (``--name``). ``--help`` shows every flag's default once
-(``helptext``). ``data_config`` is the one mapping of the flags to a
-``DataConfig``; data/ checks those flags (``check_data_config``), each once.
+Invariants: the namespace is complete and valid before anything is created (every bad value a
+``UsageError`` naming the flag); a preset only supplies defaults, each through its flag's own parsing;
+sequence lengths are kept ascending with their weights, so one set is one run whatever the typed order;
+``data_config`` is the one mapping of the flags to a ``DataConfig``. docs/training.md, "Every flag and its default".
 """
 import argparse
 import math

@@ -1,13 +1,8 @@
 """Every flag of upstream open_clip main's ``open_clip_train/params.py``, and what ``naflex-accum train`` does with it.
 
-Invariant: each upstream flag is in ``FLAGS`` and is either ``works`` (a real
-flag of ``naflex-accum train`` with upstream's meaning), ``limited`` (upstream's
-meaning for the values in ``allowed``, the others refused) or ``refused``
-(registered, so using it exits 2 with its one-line reason instead of
-"unrecognized arguments"; a ``--config`` preset key is refused the same way).
-The flag table in docs/training.md is generated from ``FLAGS`` and a test
-keeps the two equal, and checks ``FLAGS`` against the pinned upstream
-snapshot's parser, so neither can drift.
+Invariant: each upstream flag is in ``FLAGS``, ``works``, ``limited`` (to ``allowed``) or ``refused`` (exit 2
+with its one-line reason, in a ``--config`` preset too). A test keeps docs/training.md's table, which is
+generated from ``FLAGS``, and the pinned upstream snapshot's parser equal to it.
 """
 import argparse
 from typing import Dict, NamedTuple, Tuple
@@ -186,11 +181,8 @@ class _Limited(argparse.Action):
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    """Add every refused or limited upstream flag the parser lacks (hidden from --help; see docs/training.md).
-
-    Refused flags take any number of values so that the reason, not argparse's
-    arity error, is what the user sees.
-    """
+    """Add every refused or limited upstream flag the parser lacks (hidden from --help); a refused one takes any
+    number of values, so that its reason, not argparse's arity error, is what the user sees."""
     known = set(parser._option_string_actions)
     for option, flag in FLAGS.items():
         if option in known or flag.status == W:
@@ -203,11 +195,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def check_namespace(args: argparse.Namespace) -> None:
-    """Refuse a refused flag, or a limited one's other value, that came from a ``--config`` preset.
-
-    argparse calls no action for a preset's value, so this looks at the namespace:
-    a refused flag is there only when a preset set it (its default is suppressed).
-    """
+    """Refuse a refused flag, or a limited one's other value, from a ``--config`` preset: argparse calls no
+    action for a preset's value, and a refused flag is in the namespace only when a preset set it."""
     for option, flag in FLAGS.items():
         dest = option[2:].replace("-", "_")
         if flag.status == W or not hasattr(args, dest):

@@ -1,12 +1,9 @@
 """Process-group set-up from torchrun's or SLURM's environment, with open_clip's precedence.
 
-Invariants: every rank agrees on (rank, world_size) before any model or data is
-made; a half-set environment (a RANK without a WORLD_SIZE, say) is an error,
-not a silent single-process run; collectives here are no-ops in one process.
-Several processes open the job's store where env:// would (torchrun's agent
-serves it, or else rank 0) and are heard through it (``liveness``). A collective
-waits at most torch's timeout of the phase: ``LONG_TIMEOUT`` until the first
-optimizer step has ended and while rank 0 works alone, --dist-timeout otherwise.
+Invariants: every rank agrees on (rank, world_size) before anything is made; a half-set environment is an
+error, not a silent single-process run; collectives here are no-ops in one process. Ranks are heard through
+the job's store (``liveness``); a collective waits ``LONG_TIMEOUT`` until the first optimizer step has ended
+and while rank 0 works alone, --dist-timeout otherwise. docs/distributed.md.
 """
 import os
 import re
@@ -169,11 +166,8 @@ def slurm_master_port(job_id: str) -> int:
 
 
 def resolve_device(device_arg, world) -> torch.device:
-    """The device this rank trains on: ``--device`` (cpu, cuda, cuda:N), else a GPU if there is one.
-
-    A device that is not there is a ``UsageError`` naming ``--device`` and what there is, before any
-    CUDA call that would fail deep inside torch.
-    """
+    """``--device`` (cpu, cuda, cuda:N), else a GPU if there is one; one that is not there is a ``UsageError``
+    naming what there is, before a CUDA call would fail deep inside torch."""
     if not device_arg:
         device_arg = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -214,9 +208,8 @@ def _master_address(env) -> tuple:
 
 
 def _open_store(world: World, address: tuple, timeout: timedelta):
-    """The job's store, where env:// has it (torch.distributed.rendezvous): under torchrun's agent
-    (TORCHELASTIC_USE_AGENT_STORE=True) every rank is a client of the agent's store at MASTER_ADDR:MASTER_PORT;
-    otherwise rank 0 serves it there."""
+    """The job's store where env:// has it: the torchrun agent's at MASTER_ADDR:MASTER_PORT
+    (TORCHELASTIC_USE_AGENT_STORE=True), else rank 0 serves it there."""
     host, port = address
     serves = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
     try:
@@ -229,9 +222,8 @@ def _open_store(world: World, address: tuple, timeout: timedelta):
 
 def connect(env=None, timeout: float = DEFAULT_TIMEOUT, prog: str = "naflex-accum train",
             ends_process: bool = False) -> World:
-    """This process's ``World``; in a run of several processes the job's store is open and this rank is heard
-    (``World.peers``) from here on, before any other step of the set-up can fail. ``ends_process``: this
-    process ends with the run (``preempt.StopRequest``)."""
+    """This process's ``World``; with several processes this rank is heard (``World.peers``) from here on,
+    before any other step of the set-up can fail. ``ends_process``: see ``preempt.StopRequest``."""
     env = os.environ if env is None else env
     world = world_from_env(env)
     if world.distributed:
@@ -242,8 +234,7 @@ def connect(env=None, timeout: float = DEFAULT_TIMEOUT, prog: str = "naflex-accu
 
 
 def init_distributed(device_arg=None, env=None, world: Optional[World] = None) -> tuple:
-    """``(World, torch.device)``; initialises the process group (on ``world``'s store) when there is more than
-    one rank."""
+    """``(World, torch.device)``; the process group on ``world``'s store when there are several ranks."""
     world = connect(env) if world is None else world
     device = resolve_device(device_arg, world)
     if device.type == "cuda":

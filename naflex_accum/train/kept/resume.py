@@ -1,20 +1,9 @@
 """Training state to a checkpoint payload and back, with the checks that make a resume exact or refused.
 
-Invariants: a payload holds everything the rest of the run depends on: model,
-optimizer and scaler state, counters, the steps per epoch the learning-rate
-schedule was laid out with, the patch sizes the model was trained with
-(``naflex_patch_sizes``: which tower ``export`` builds; a payload without them,
-an older one, loads the same), and, inside an epoch, the position in it (the
-segment, ``data.order``, and the samples and tokens consumed), every rank's
-random state and the settings that decide which batches the epoch yields
-(``SCHEDULE_FLAGS``). The world size and ``--workers`` may differ on resume: at
-the saved world size the epoch goes on exactly as uninterrupted; at another one
-it goes on in the same global sample order (no sample twice, none skipped), with
-fresh random streams. A resume that would not continue the same run (a
-checkpoint that does not fit the model, an epoch resumed under other schedule
-settings, a world size that does not divide the saved ``--data-slots``) is a
-one-line ``UsageError`` naming the first differences, raised before the run
-folder is touched.
+Invariants: a payload holds everything the rest of the run depends on (state, counters, the epoch's position,
+every rank's random state, ``SCHEDULE_FLAGS``); at the saved world size an epoch goes on exactly, at another
+in the same global sample order; a resume that would not continue the same run is a one-line ``UsageError``
+before the run folder is touched. docs/long-runs.md, "Resuming" and "Elastic resume".
 """
 import logging
 from typing import Optional

@@ -1,22 +1,8 @@
 """Console, ``out.log``, tensorboard and wandb logging of a run, on rank 0 only.
 
-Invariants: every rank runs the same code, but only rank 0 writes (files,
-tensorboard events, console lines); the console line keeps open_clip's shape
-(``Train Epoch: E [n/N (p%)] ... LR: ... Logit Scale: ... Loss: v (avg)``) with
-image tokens/s added, and on a terminal a progress bar that no console line ever
-shares a line with; the logger receives what the loop's checks gathered (the
-losses of every step since the previous check, summed on the device), so the
-epoch averages cover every step without reading the device at each one; a file
-that cannot be written (full disk, no permission) stops the run with one line
-naming it and the OS error, not a logging traceback.
-
-Tensorboard gets upstream open_clip main's scalars, under its names, meanings and
-steps, and this trainer's few extras: ``train/*`` at the optimizer step's index
-(global step - 1, upstream's ``step``), ``train/<term>_epoch_avg`` at the
-epoch's last step, ``val/*`` at the epoch. wandb gets the same names at the same
-steps, but ``val/*`` at the epoch's last step (a wandb step never goes back).
-Each evaluation appends one JSON line of its metrics to
-``checkpoints/results.jsonl``, as open_clip; nothing there is rewritten.
+Invariants: only rank 0 writes; the console line keeps open_clip's shape, and no line shares one with the
+progress bar; epoch averages cover every step without a device read per step; an unwritable file stops the
+run with one line naming it. Scalars keep upstream's names and steps. docs/training.md, "Metrics".
 """
 import json
 import logging
@@ -115,13 +101,8 @@ class RunLogger:
 
     def step(self, epoch: int, step_in_epoch: int, num_steps: int, global_step: int, info: dict,
              samples_per_epoch: int, console: bool):
-        """What the loop gathered over ``info["steps"]`` optimizer steps ending at ``global_step``.
-
-        ``info``: ``losses`` (each term at this step, mean over ranks), ``loss_sums`` (each term times the
-        window's samples, summed over those steps), ``samples`` (this rank's, over those steps),
-        ``samples_global``, ``tokens_global``, ``elapsed``, ``data_time``, ``lr``, ``logit_scale``,
-        ``logit_bias``, ``window_scale``, ``epoch_samples`` (global, so far this epoch).
-        """
+        """What the loop gathered over ``info["steps"]`` optimizer steps ending at ``global_step`` (``losses``:
+        each term at this step, mean over ranks; ``loss_sums``: each term times the window's samples, summed)."""
         if not self.is_master:
             return
         if self.first_loss is None:
@@ -216,9 +197,7 @@ class RunLogger:
 
 
 def train_scalars(info: dict, elapsed: float) -> dict:
-    """``train/*`` of one log: upstream open_clip main's names and meanings first (``data_time`` and
-    ``batch_time`` in seconds per optimizer step, global samples per second and this rank's, the logit
-    values, the learning rate, each loss term at the last step), then this trainer's own."""
+    """``train/*`` of one log: upstream open_clip main's names and meanings first, then this trainer's own."""
     steps = info["steps"]
     scalars = {"data_time": info["data_time"], "batch_time": elapsed / steps,
                "samples_per_second": info["samples_global"] / elapsed,
