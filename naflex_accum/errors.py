@@ -41,8 +41,7 @@ class WriteError(UsageError):
 
 class StepError(ValueError):
     """A bad setting or input the accumulation step (or its contract, ``ContractError``) refuses, in one line,
-    so a runner prints it instead of a traceback from inside the step.
-    """
+    so a runner prints it instead of a traceback from inside the step."""
 
 
 class ContractError(StepError):
@@ -125,8 +124,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def check_int(value, flag: str, minimum: int = 1, noun: Optional[str] = None) -> int:
     """``value`` if it is an int (not a bool) of at least ``minimum``; else a UsageError naming ``flag`` ("a
-    positive integer", "an integer >= N", or ``noun``).
-    """
+    positive integer", "an integer >= N", or ``noun``)."""
     if not is_int_at_least(value, minimum):
         noun = noun or ("a positive integer" if minimum == 1 else f"an integer >= {minimum}")
         raise UsageError(f"{flag} must be {noun}, got {value!r}")

@@ -65,8 +65,7 @@ class _Deferred:
 def deferred() -> _Deferred:
     """A block that holds a SIGINT arriving inside it until it ends, then lets the handler act on it: for
     starting the loader's workers, where an interrupt inside fork's hooks would be dropped or leave workers
-    unrecorded (``data.workers``). Main thread only.
-    """
+    unrecorded (``data.workers``). Main thread only."""
     return _Deferred()
 
 

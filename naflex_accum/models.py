@@ -137,11 +137,8 @@ def create_model(
         text_dropout: float = 0.0,
         grad_checkpointing: bool = False,
 ):
-    """An open_clip ``CLIP`` with a NaFlexVit image tower, returning a dict.
-
-    ``patch_sizes``: more than one takes unflattened patches of any size; ``siglip`` forces a ``logit_bias`` (init
-    -10, scale ln 10) on or off (``None``: the config's); ``grad_checkpointing``: the model's own.
-    """
+    """An open_clip ``CLIP`` with a NaFlexVit image tower, returning a dict; several ``patch_sizes`` take patches
+    of any size; ``siglip`` forces a ``logit_bias`` (init -10, scale ln 10) on or off (``None``: the config's)."""
     register_timm_models()
     model = CLIP(**model_config(name_or_config, siglip=siglip, patch_dropout=patch_dropout, drop_path=drop_path,
                                 patch_sizes=patch_sizes), output_dict=True)
@@ -208,8 +205,7 @@ class UpstreamStyleCoCa(CoCa):
 
 def fill_decoder_projection(model) -> None:
     """Initialise CoCa's ``text_decoder.text_projection`` as open_clip's ``init_parameters`` means to: open_clip
-    makes it with ``torch.empty`` and never fills it (NaN at times), which no audit can reproduce.
-    """
+    makes it with ``torch.empty`` and never fills it (NaN at times), which no audit can reproduce."""
     projection = model.text_decoder.text_projection
     nn.init.normal_(projection, std=projection.shape[0] ** -0.5)  # shape[0] is the decoder's width
 
@@ -217,8 +213,7 @@ def fill_decoder_projection(model) -> None:
 def create_coca_model(config: Optional[dict] = None, *, patch_dropout: Optional[float] = None,
                       text_dropout: float = 0.0, logit_bias: bool = False, grad_checkpointing: bool = False):
     """A tiny random open_clip ``CoCa`` (dense images) returning upstream main's CoCa outputs; ``text_dropout``
-    in the text tower and decoder; ``logit_bias`` adds one (unused by CoCaLoss).
-    """
+    in the text tower and decoder; ``logit_bias`` adds one (unused by CoCaLoss)."""
     cfg = copy.deepcopy(config or COCA_TINY)
     if patch_dropout is not None:
         cfg["vision_cfg"]["patch_dropout"] = patch_dropout

@@ -27,8 +27,7 @@ def _passthrough(batch):
 
 class EpochCounter:
     """Per-epoch counters and the rate-limited warnings for corrupt samples (training counts stand-ins; held-out
-    data skips an unusable sample).
-    """
+    data skips an unusable sample)."""
 
     def __init__(self, what: str, epoch: Optional[int] = None):
         self.what, self.logged, self.train = what, set(), epoch is not None
@@ -68,12 +67,8 @@ class EpochCounter:
 
 
 def freeze_heap() -> None:
-    """In a loader worker: exempt the heap it inherited from the cyclic garbage collector.
-
-    A full collection walks those ~400,000 never-garbage objects (0.2 s) and, forked, copies their pages from the
-    parent; the frozen garbage goes with the worker. The training process freezes nothing: the collection it
-    would need first costs more than the freeze saves.
-    """
+    """In a loader worker: exempt the inherited heap from the cyclic collector (a full collection walks ~400,000
+    objects, 0.2 s, and copies their pages); the training process freezes nothing (its first collection costs more)."""
     gc.freeze()
 
 
@@ -102,8 +97,7 @@ def torch_loader(dataset, workers: int, pin_memory: bool, persistent: bool = Fal
 
 def iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -> Iterator:
     """``(batch, meta)`` from ``source`` (a dataset, or a DataLoader over one); pinned if asked (and CUDA is);
-    a wait over ``timeout`` seconds (0: none) stops the workers (``workers``) or the in-process read (``alarm``).
-    """
+    a wait over ``timeout`` seconds (0: none) stops the workers (``workers``) or the in-process read (``alarm``)."""
     with deferred():  # a Ctrl-C while the workers start acts once they are registered, so they get stopped
         loader, source = source, iter(source)
         processes = of(loader)

@@ -26,10 +26,8 @@ IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 
 def image_to_patches(img: torch.Tensor, seq_len: int, patch_size: int = 16,
                      mean=IMAGE_MEAN, std=IMAGE_STD, flatten: bool = True) -> Dict[str, torch.Tensor]:
-    """A float [C, H, W] image in [0, 1], resized (keeping its aspect) to at most ``seq_len`` patches.
-
-    ``flatten=False`` gives patches ``[N, P, P, C]`` instead of ``[N, P*P*C]``.
-    """
+    """A float [C, H, W] image in [0, 1], resized (keeping its aspect) to at most ``seq_len`` patches;
+    ``flatten=False`` gives ``[N, P, P, C]`` instead of ``[N, P*P*C]``."""
     _, (h, w) = get_image_size_for_seq(tuple(img.shape[-2:]), patch_size, seq_len)
     img = F.interpolate(img[None], size=(h, w), mode="bicubic", antialias=True, align_corners=False)[0]
     img = (img.clamp(0, 1) - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
@@ -39,12 +37,8 @@ def image_to_patches(img: torch.Tensor, seq_len: int, patch_size: int = 16,
 
 @functools.lru_cache(maxsize=1 << 16)
 def size_for_seq(hw: Tuple[int, int], patch_size: int, seq_len: int) -> Tuple[int, int]:
-    """(h, w), multiples of ``patch_size``, keeping the aspect of ``hw`` within ``seq_len`` patches (cached).
-
-    timm's ``get_image_size_for_seq(hw, patch_size, seq_len)[1]``: the same bisection
-    with the same floating-point operations, inlined, because it runs once per image
-    and timm's nested calls cost a fifth of a decode; the tests compare the two.
-    """
+    """(h, w), multiples of ``patch_size``, keeping the aspect of ``hw`` within ``seq_len`` patches (cached):
+    timm's ``get_image_size_for_seq`` inlined, same float operations (its calls cost a fifth of a decode; tested)."""
     (h, w), p, ceil = hw, patch_size, math.ceil
     lb, rb, eps = 1e-6, 100.0, 1e-5
     while (rb - lb) >= eps:
@@ -60,8 +54,7 @@ def size_for_seq(hw: Tuple[int, int], patch_size: int, seq_len: int) -> Tuple[in
 
 def resize_for_seq(img: torch.Tensor, seq_len: int, patch_size: int = 16) -> torch.Tensor:
     """A uint8 ``[C, H, W]`` image resized (keeping its aspect) to at most ``seq_len`` patches: torchvision's
-    uint8 antialiased bicubic, Pillow's filter to within rounding (channels-last input is fastest).
-    """
+    uint8 antialiased bicubic, Pillow's filter to within rounding (channels-last input is fastest)."""
     h, w = size_for_seq(tuple(img.shape[-2:]), patch_size, seq_len)
     if (h, w) == tuple(img.shape[-2:]):
         return img
@@ -79,12 +72,8 @@ def _normaliser(mean, std, repeat: int, device: str = "cpu") -> Tuple[torch.Tens
 
 def patchify_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int = 16, flatten: bool = True,
                     alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
-    """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one zero-padded uint8 NaFlex batch.
-
-    ``normalize_patches`` makes the model's floats on the device, as timm's ``NaFlexPrefetchLoader`` does; one
-    strided copy per image (``patchify_into``). ``alloc(numel)``, if given, supplies the patches' memory (shared
-    memory or a ``handover`` slot, so the hand-over copies nothing).
-    """
+    """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one zero-padded uint8 NaFlex batch, one
+    strided copy per image; ``alloc(numel)`` may supply the memory (a ``handover`` slot: nothing copied later)."""
     p, n = patch_size, len(images)
     channels = images[0].shape[0]
     shape = (n, seq_len, p * p * channels)
@@ -119,8 +108,7 @@ def normalize_patches(image: Dict[str, torch.Tensor], mean=IMAGE_MEAN, std=IMAGE
                       dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
     """A uint8 NaFlex batch (``patchify_images``) as the model's normalised float one, on the patches' device:
     one ``x * scale + shift`` in float32 (then ``dtype``), padding exactly zero, bit for bit the CPU collate's.
-    Float patches are returned as they are.
-    """
+    Float patches are returned as they are."""
     patches = image["patches"]
     if patches.is_floating_point():
         return image
@@ -178,8 +166,7 @@ def patch_grid(counts: Sequence[int], widths: Sequence[int], seq_len: int) -> Tu
 
 def pil_to_patches(img, seq_len: int, patch_size: int = 16, flatten: bool = True) -> Dict[str, torch.Tensor]:
     """A PIL image resized (Pillow's bicubic) to at most ``seq_len`` patches, as uint8 patches: the Pillow
-    reference for the pipeline's path (``collate_uint8_patches`` normalises a batch of them).
-    """
+    reference for the pipeline's path (``collate_uint8_patches`` normalises a batch of them)."""
     h, w = size_for_seq((img.height, img.width), patch_size, seq_len)
     if img.mode in ("P", "PA") and "transparency" in img.info:
         img = img.convert("RGBA")  # what PIL asks for; converting a palette with transparency straight to RGB warns
@@ -212,8 +199,7 @@ def _collate(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
 def collate_uint8_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
                           mean=IMAGE_MEAN, std=IMAGE_STD) -> Dict[str, torch.Tensor]:
     """Stack uint8 patch dicts (``pil_to_patches``), normalised (``normalize_patches``) and zero-padded to
-    ``seq_len``.
-    """
+    ``seq_len``."""
     return normalize_patches(_collate(items, seq_len, torch.uint8), mean, std)
 
 

@@ -23,10 +23,8 @@ from .text import BatchTokenizer
 
 
 def _take(samples: Iterator[RawSample], count: int, use: Callable, report: Corruption, flag: str) -> List:
-    """``use(sample)`` for the next ``count`` samples it succeeds on (fewer only if ``samples`` ends).
-
-    A sample ``use`` raises on is skipped and reported; ``MAX_CONSECUTIVE_FAILURES`` in a row is a UsageError.
-    """
+    """``use(sample)`` for the next ``count`` samples it succeeds on (fewer only if ``samples`` ends); one it raises
+    on is skipped and reported, ``MAX_CONSECUTIVE_FAILURES`` in a row is a UsageError."""
     out, failures = [], 0
     while len(out) < count:
         raw = next(samples, None)
@@ -82,13 +80,8 @@ def _segment(position: torch.Tensor) -> Tuple[Segment, int]:
 
 
 class TrainStream(torch.utils.data.IterableDataset):
-    """One rank's batches of one epoch segment; in a DataLoader worker, that worker's part of each of them.
-
-    ``position`` is the shared int64 tensor ``TrainLoader`` writes its segment and start batch into (persistent
-    workers follow ``set_epoch``); each worker yields its slots' rows of every batch (``order.slot_worker``,
-    ``meta["rows"]``). With ``recycle`` patches go into ``handover`` slots and must be received through a
-    ``handover.Receiver`` over ``flags``.
-    """
+    """One rank's batches of one epoch segment; in a DataLoader worker, its slots' rows of each. ``position``: the
+    shared tensor ``set_epoch`` writes; with ``recycle`` patches go into ``handover`` slots (a ``Receiver``)."""
 
     def __init__(self, index: DataIndex, plan: Schedule, position: torch.Tensor, rank: int, workers: int,
                  window: int, tokenizer: Callable, resampled: bool = False, recycle: bool = False,

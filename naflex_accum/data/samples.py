@@ -145,8 +145,7 @@ def shard_samples(url: str, report: Corruption) -> Iterator[RawSample]:
 def shard_groups(url: str, start: int = 0, stop: Optional[int] = None
                  ) -> Iterator[Tuple[int, str, Dict[str, bytes]]]:
     """``(number, key, {extension: bytes})`` of samples ``start`` to ``stop`` of one shard, in tar order; those
-    before ``start`` passed over by their headers; a read error propagates after the samples before it.
-    """
+    before ``start`` passed over by their headers; a read error propagates after the samples before it."""
     state = {"key": None, "index": -1}
 
     def want(fname: str) -> bool:

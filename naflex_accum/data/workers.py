@@ -135,8 +135,7 @@ def read_failed(exc: BaseException) -> bool:
 def lost(processes) -> Optional[RuntimeError]:
     """torch's error for one of the worker ``processes`` seen dead within ``LOST_GRACE`` s, after a read from it
     failed: a killed worker's sockets close before it can be reaped, so the read fails first with an error that
-    names no worker.
-    """
+    names no worker."""
     deadline = time.monotonic() + LOST_GRACE
     while processes:
         dead = [w for w in processes if w.exitcode not in (None, 0)]

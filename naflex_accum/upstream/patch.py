@@ -48,8 +48,7 @@ def patch_error(version: str, found: str, expected: str = EXPECTED) -> PatchErro
 
 def open_clip_version() -> str:
     """The version of the open_clip in use, for messages; never raises. The imported package's own first: a
-    source tree ahead on ``sys.path`` shadows the installed distribution's metadata.
-    """
+    source tree ahead on ``sys.path`` shadows the installed distribution's metadata."""
     if "open_clip" in sys.modules:
         try:
             from open_clip.version import __version__  # only if imported: the one on sys.path is the one used
@@ -146,8 +145,7 @@ def step_calls() -> int:
 
 def _announce(message: str) -> None:
     """Say ``message`` once per process, on rank 0 only: to stderr wherever an INFO record would be dropped
-    (logging not configured yet, or at WARNING).
-    """
+    (logging not configured yet, or at WARNING)."""
     global _announced
     if _announced or process_rank() != 0:
         return
@@ -209,12 +207,9 @@ def _refuse_another(current, mode: Optional[str], contract) -> None:
 
 
 def install(force: bool = False, mode: Optional[str] = None, contract=None) -> Callable:
-    """Replace upstream's ``_train_step_eager`` with the fixed step; return the installed function.
-
-    A no-op over ours in the same mode (and contract), ``StepError`` over another; ``PatchError`` where open_clip
-    fits no known contract, unless ``force``. ``mode``: ``"cached-loss"``, ``"replay"``, or ``None`` for
-    $NAFLEX_ACCUM_MODE; ``contract``: one to speak without probing. docs/upstream.md, "The patching API".
-    """
+    """Replace upstream's ``_train_step_eager`` with the fixed step, returned: a no-op over ours in the same mode,
+    ``StepError`` over another, ``PatchError`` where no contract fits unless ``force``. docs/upstream.md,
+    "The patching API"."""
     name = get_step(mode).__name__  # an unknown mode fails before anything is touched
     with _lock:
         module = import_target()
@@ -248,8 +243,7 @@ def uninstall() -> bool:
 @contextlib.contextmanager
 def patched(force: bool = False, mode: Optional[str] = None, contract=None):
     """``with patched(): ...`` runs the block with the fixed step installed, then uninstalls only what it
-    installed.
-    """
+    installed."""
     was_installed = is_installed()
     fn = install(force=force, mode=mode, contract=contract)
     try:

@@ -66,8 +66,7 @@ def _is_console(handler) -> bool:
 
 def _log_unfiltered(message: str) -> None:
     """Hand one INFO record to every root handler but the console (upstream's out.log), whatever the levels:
-    a run's provenance must not depend on them (the console had each line on stderr already).
-    """
+    a run's provenance must not depend on them (the console had each line on stderr already)."""
 
     if process_rank() != 0:
         return
@@ -88,12 +87,8 @@ def _checked(args, mode: str, lines: list, use: preflight.StepUse) -> None:
 
 @contextlib.contextmanager
 def _recorded_in_run_folder(module, mode: str, line: str, use: preflight.StepUse, watch: StartWatch):
-    """While upstream's ``main`` runs, check the run before it trains and make its run folder record the fix.
-
-    Wraps upstream's ``parse_args`` (adds ``args.naflex_accum``), ``init_distributed_device`` (the self-check once
-    the ranks can agree; right after parsing where it is missing; ``watch`` marks the start) and ``setup_logging``
-    (the record into out.log), each looked up by ``main`` at call time; each is put back while still ours.
-    """
+    """While upstream's ``main`` runs, check the run before it trains and make its run folder record the fix:
+    wraps ``parse_args``, ``init_distributed_device`` (the self-check) and ``setup_logging``, each put back after."""
     lines = [f"naflex-accum {__version__}: {line}"]
     check_in_parse = not callable(getattr(module, "init_distributed_device", None))
 

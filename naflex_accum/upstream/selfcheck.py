@@ -155,10 +155,8 @@ def record_unused(args, why: str) -> List[str]:
 
 
 def check_run(args, mode: str) -> List[str]:
-    """Check this run (unless skipped), record it on ``args`` (params.txt), return the lines for out.log.
-
-    Raises ``SelfCheckFailed`` on every rank when any rank's audit failed.
-    """
+    """Check this run (unless skipped), record it on ``args`` (params.txt), return the lines for out.log;
+    ``SelfCheckFailed`` on every rank when any rank's audit failed."""
     original = original_step()
     _record_upstream(args)
     loss_scale = getattr(args, "naflex_loss_scale", None) or "none"
