@@ -40,8 +40,7 @@ class WriteError(UsageError):
 
 
 class StepError(ValueError):
-    """A bad setting or input the accumulation step (or its contract, ``ContractError``) refuses, in one line,
-    so a runner prints it instead of a traceback from inside the step."""
+    """A bad setting or input the step (or its contract) refuses in one line, which a runner prints, not a traceback."""
 
 
 class ContractError(StepError):
@@ -49,8 +48,7 @@ class ContractError(StepError):
 
 
 class PatchError(RuntimeError):
-    """The installed open_clip is not one the patch can be installed on (one line; ``upstream.patch.patch_error``
-    words it)."""
+    """The installed open_clip is not one the patch can be installed on (``upstream.patch.patch_error``)."""
 
     def __init__(self, message: str, version: str, found: str, expected: str, missing: bool):
         self.version, self.expected, self.found, self.missing = version, expected, found, missing

@@ -153,8 +153,7 @@ class AccumulationStep:
         return spoken.step_result(losses, report, sum(window.sizes), ([], {}))
 
     def admit(self, task, batch, cache: WindowCache, args) -> Microbatch:
-        """Check a microbatch before its forward (its model is the window's, its kind and size fit); capture its
-        random state."""
+        """Check a microbatch before its forward (model, kind and size); capture its random state."""
         cache.check_model(task.trainable_module)
         records = cache.microbatches
         naflex = is_naflex_batch(batch)
@@ -177,9 +176,8 @@ class AccumulationStep:
         return Window(records, mode, scale, ref)
 
     def backward_window(self, task, window, cache, accum_batches, scaler, autocast):
-        """Every microbatch's backward, the final one synced and carrying the logit terms: the last
-        microbatch's caching forward runs with grad and its graph serves as its replay, then the others
-        are replayed."""
+        """Every microbatch's backward, the final one synced and carrying the logit terms: the last one's caching
+        forward runs with grad and serves as its replay, then the others are replayed."""
         k, module = len(accum_batches), task.trainable_module
         with self.grad_sync(module, False):
             with autocast():
@@ -193,8 +191,7 @@ class AccumulationStep:
         return detach_values(losses), detach_values(report), spoken
 
     def replay(self, task, window, state, accum_batches, replayed, scaler, autocast) -> None:
-        """Replay microbatches ``replayed`` in order, each under its caching random state; the last one's
-        backward syncs the gradients."""
+        """Replay ``replayed`` in order, each under its caching random state; the last backward syncs."""
         module, replayed = task.trainable_module, list(replayed)
         for j in replayed:
             final = j == replayed[-1]

@@ -26,8 +26,7 @@ def _passthrough(batch):
 
 
 class EpochCounter:
-    """Per-epoch counters and the rate-limited warnings for corrupt samples (training counts stand-ins; held-out
-    data skips an unusable sample)."""
+    """Per-epoch counters and rate-limited warnings for corrupt samples (stand-ins in training, skips held-out)."""
 
     def __init__(self, what: str, epoch: Optional[int] = None):
         self.what, self.logged, self.train = what, set(), epoch is not None
@@ -73,9 +72,8 @@ def freeze_heap() -> None:
 
 
 def init_worker(worker_id: int) -> None:
-    """Freeze the inherited heap (``freeze_heap``), and leave stopping to the main process: it decides when a
-    run stops (finish the step, save, exit), so a SIGTERM or SIGUSR1 sent to the whole process group (SLURM,
-    Kubernetes), or a terminal's Ctrl-C (SIGINT), must not kill a worker under it, nor make it print."""
+    """Freeze the inherited heap, and leave stopping to the main process: a SIGTERM, SIGUSR1 or SIGINT sent to
+    the whole process group (SLURM, Kubernetes, a terminal) must not kill a worker under it, nor make it print."""
     freeze_heap()
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)

@@ -97,8 +97,7 @@ class TrainLoader:
         self._position[:7].copy_(torch.tensor(values, dtype=torch.int64))
 
     def set_epoch(self, epoch: int, start_batch: int = 0, segment: Optional[Segment] = None):
-        """Iterate epoch ``epoch`` (or ``segment`` of it) from batch ``start_batch`` on: exactly the whole epoch's
-        batches from there, the ones before skipped without decoding."""
+        """Iterate epoch ``epoch`` (or ``segment``) from batch ``start_batch`` on, the ones before skipped undecoded."""
         check_int(epoch, "epoch", 0)
         check_int(start_batch, "start_batch", 0)
         if segment is None:

@@ -122,8 +122,7 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
     state.epoch_samples = segment.base + sum(spec.batch_size for spec in specs[:start]) * world.world_size
     # the epoch's samples as this segment ends it (another world size's resume ends it with its own schedule)
     epoch_total = segment.base + world.world_size * sum(spec.batch_size for spec in specs)
-    state.epoch_tokens = segment.base_tokens + world.world_size * sum(s.batch_size * s.seq_len
-                                                                      for s in specs[:start])
+    state.epoch_tokens = segment.base_tokens + world.world_size * sum(s.batch_size * s.seq_len for s in specs[:start])
     loop.logger.start_epoch(state.epoch, num_steps - state.step_in_epoch, state.meters)
     state.meters = None
     accum_state = ([], {}) if k > 1 else None
@@ -153,8 +152,7 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
             state.samples_seen += step_batch_size * world.world_size
             state.epoch_samples += step_batch_size * world.world_size
             loop.monitor.add(state.global_step, losses, report, sum(sizes), tokens, data_time)
-            after_step(state, loop, segment.first_step + i // k + 1, num_steps, lr, state.epoch_samples,
-                       epoch_total)
+            after_step(state, loop, segment.first_step + i // k + 1, num_steps, lr, state.epoch_samples, epoch_total)
             sizes, tokens, data_time = [], 0, 0.0
         end = time.time()
     state.step_in_epoch, state.rng_state = 0, None
@@ -173,8 +171,7 @@ def after_step(state, loop: Loop, done: int, num_steps: int, lr, epoch_samples, 
         return
     check = loop.monitor.check(loop.stop.pending())
     if check.steps:
-        info = dict(check.info, lr=lr, epoch_samples=epoch_samples,
-                    window_scale=loop.step_fn.window_scale)
+        info = dict(check.info, lr=lr, epoch_samples=epoch_samples, window_scale=loop.step_fn.window_scale)
         loop.logger.step(state.epoch, done, num_steps, state.global_step, info, samples_per_epoch, log_now)
     if check.stop or save_now:
         state.step_in_epoch, state.meters = done, loop.logger.meter_state()

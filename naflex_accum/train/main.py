@@ -83,10 +83,8 @@ def build_task(args, world, device):
         compile_model(model, args, world.distributed)  # in place: the task's trainable module is the model
     if world.distributed and not fsdp.sharded(model):
         ids = [device.index] if device.type == "cuda" else None
-        # find_unused_parameters keeps DDP's gradient buckets in one layout for the whole run: without it DDP
-        # rebuilds them after its first step in the order gradients became ready, so a resumed start's first
-        # step would sum 3+ ranks' gradients in another order than the uninterrupted run's, and its weights
-        # would part by round-off. The price is one autograd-graph walk per window and one warning per rank.
+        # find_unused_parameters keeps DDP's buckets in one layout, so a resumed start sums 3+ ranks' gradients in
+        # the uninterrupted run's order, bit for bit (docs/distributed.md)
         task.trainable_module = DDP(task.trainable_module, device_ids=ids, find_unused_parameters=True)
     return task, model
 
@@ -238,8 +236,7 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
     autocast, metrics, exit_code = get_autocast(args.precision, device.type), {}, 0
     if world.peers is not None:
         world.peers.flushers.append(run_logger.flush)
-    loop = Loop(args, world, device, autocast, select_step(args), run_logger, stop, StepMonitor(device, world),
-                saver)
+    loop = Loop(args, world, device, autocast, select_step(args), run_logger, stop, StepMonitor(device, world), saver)
     log.info(f"Run folder {paths.root}: {num_steps} steps/epoch, {train_data.num_samples} samples/epoch, "
              f"world size {world.world_size}" + (f", resumed from {claim.resume}" if claim.resume else ""))
     for note in getattr(args, "notes", ()):

@@ -123,8 +123,7 @@ def full_batch_grads(task, batches: List[Dict], seeds: Sequence[int], chunked: b
             losses, _, _ = task_result(task.compute_accum_loss(feats, logits, batches), "compute_accum_loss", None)
             losses["loss"] = total_loss(losses)
     losses["loss"].backward()
-    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-             for n, p in named_params(task)}
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in named_params(task)}
     task.zero_grad(set_to_none=True)
     return grads, losses["loss"].item()
 
@@ -244,8 +243,7 @@ REFERENCE_BATCH_SIZE = 4
 def audit_row(step, make_task, loss: str, mode: str, split, stochastic: bool) -> AuditResult:
     """One row of ``verify``'s audit; a step (or reference) that raises gives a failed row with ``.error`` set."""
     try:
-        return audit_case(step, make_task, loss, mode, split, stochastic,
-                          reference_batch_size=REFERENCE_BATCH_SIZE)
+        return audit_case(step, make_task, loss, mode, split, stochastic, reference_batch_size=REFERENCE_BATCH_SIZE)
     except Exception as exc:  # the audited step failed on this install: a FAIL row that says why
         message = " ".join(str(exc).split()) or "(no message)"
         naflex = window_spec(loss).images == "naflex"

@@ -166,9 +166,8 @@ def describe(mode: Optional[str] = None) -> str:
 
 
 def gate(module, current, contract=None):
-    """The contract to install for on ``module`` whose step is ``current`` (``None``: follow the task), and the
-    probe that found it; ``PatchError`` when the signature, then the probed contract, fits no generation the fix
-    knows. ``install`` and ``naflex-accum verify`` both decide by it."""
+    """The contract to install for on ``module`` whose step is ``current``, and the probe that found it;
+    ``PatchError`` when none fits. ``install`` and ``naflex-accum verify`` both decide by it."""
     problem = contract_problem(current)
     if problem is not None:
         raise patch_error(open_clip_version(), problem)
@@ -192,10 +191,8 @@ def _check(module, current, force: bool, contract):
 
 
 def _refuse_another(current, mode: Optional[str], contract) -> None:
-    """``StepError`` when ``install(mode=mode, contract=contract)`` asks for another step than ``current`` (ours).
-
-    Refused rather than switched: a running loop may be mid-window, and ``patched()`` could not put the
-    earlier step back on exit."""
+    """``StepError`` when ``install`` asks for another step than ``current`` (ours): refused, not switched (a running
+    loop may be mid-window, and ``patched()`` could not put the earlier step back)."""
     wanted, installed = resolve_mode(mode), getattr(current, "mode", None)
     asked = f"mode={mode!r}" if mode else f"mode=None, that is {wanted} ($NAFLEX_ACCUM_MODE, else the default)"
     if wanted != installed:
@@ -242,8 +239,7 @@ def uninstall() -> bool:
 
 @contextlib.contextmanager
 def patched(force: bool = False, mode: Optional[str] = None, contract=None):
-    """``with patched(): ...`` runs the block with the fixed step installed, then uninstalls only what it
-    installed."""
+    """``with patched(): ...``: the block with the fixed step installed, then only what it installed removed."""
     was_installed = is_installed()
     fn = install(force=force, mode=mode, contract=contract)
     try:

@@ -77,9 +77,8 @@ def _log_unfiltered(message: str) -> None:
 
 
 def _checked(args, mode: str, lines: list, use: preflight.StepUse) -> None:
-    """The self-check of this run (every rank), its lines kept for out.log and said on stderr by rank 0.
-
-    A run whose loop never calls the step is not audited: its record says so, and why."""
+    """The self-check of this run (every rank), its lines kept for out.log and said on stderr by rank 0; a run whose
+    loop never calls the step is not audited (its record says why)."""
     lines.extend(check_run(args, mode) if use.used else record_unused(args, use.why))
     if process_rank() == 0:
         print("\n".join(f"naflex-accum: {text}" for text in lines[1:]), file=sys.stderr, flush=True)
@@ -119,8 +118,7 @@ def _recorded_in_run_folder(module, mode: str, line: str, use: preflight.StepUse
         return setup_logging_recorded
 
     swapped = {}
-    for name, wrap in (("parse_args", recorded_args), ("init_distributed_device", checked),
-                       ("setup_logging", logged)):
+    for name, wrap in (("parse_args", recorded_args), ("init_distributed_device", checked), ("setup_logging", logged)):
         original = getattr(module, name, None)
         if callable(original):
             swapped[name] = (original, wrap(original))
@@ -145,9 +143,8 @@ def _check_patchable() -> None:
 
 
 def _preflight(module, argv: Sequence[str], prog: str):
-    """Upstream's parsed ARGS checked before its ``main`` starts: None after ``--help``, else the step's use.
-
-    An upstream ``main`` module without ``parse_args`` gets ARGS unchecked (its ``--help`` included)."""
+    """Upstream's parsed ARGS checked before its ``main`` starts: None after ``--help``, else the step's use (a
+    ``main`` module without ``parse_args``: unchecked)."""
     parse_args = getattr(module, "parse_args", None)
     if not callable(parse_args):
         return preflight.StepUse(True, "upstream's arguments not read")

@@ -80,8 +80,8 @@ def _add_data_args(d) -> None:
                         "of --naflex-batch-divisor")
     d.add_argument("--naflex-batch-divisor", type=int, default=8, help="microbatch sizes are multiples of this")
     d.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=[16],
-                   help="patch sizes; with more than one, each batch gets one (the patch embedding resampled); one size: the "
-                        "model's own")
+                   help="patch sizes; with more than one, each batch gets one (the patch embedding resampled); "
+                        "one size: the model's own")
 
 
 def _add_model_args(m) -> None:
@@ -126,8 +126,8 @@ def _add_run_args(r) -> None:
     r.add_argument("--name", default=None,
                    help="run folder name (default: date, model, lr, batch size, workers, precision)")
     r.add_argument("--resume", default=None,
-                   help="checkpoint path, or 'latest' in logs/NAME/checkpoints (with --name) (default: none: a new "
-                        "run)")
+                   help="checkpoint path, or 'latest' in logs/NAME/checkpoints (with --name) (default: none: a "
+                        "new run)")
     r.add_argument("--save-frequency", type=int, default=1,
                    help="checkpoints/epoch_K.pt every N epochs and after the last (0: never)")
     r.add_argument("--save-most-recent", action="store_true",
@@ -174,7 +174,6 @@ def _resolve_config(path: str) -> Path:
 
 
 def _read_yaml(config_path: Path):
-
     try:
         with open(config_path) as f:
             return yaml.safe_load(f) or {}
@@ -264,7 +263,6 @@ def _infer_siglip(args) -> None:
     """``--siglip`` unset: the loss the model config was made for (SigLIP when it has a logit bias)."""
     if args.siglip is not None:
         return
-
     try:
         args.siglip = load_config(args.model).get("init_logit_bias") is not None
     except ValueError as exc:

@@ -22,6 +22,12 @@ _CSV = Flag(R, "csv data is not read here: webdataset shards only")
 _REMOTE = Flag(R, "remote sync is not offered: copy logs/NAME yourself (checkpoints are written atomically)")
 _BUCKETS = Flag(R, "captions are padded to the model's context length; there is no length bucketing")
 _NOOP = "accepted; it has no effect on these models, as upstream"
+_JSON = Flag(R, "captions come from the .txt member, not from a .json field")
+_NORM = Flag(R, "patches are normalised with open_clip's CLIP mean and std")
+_DISTILL = Flag(R, "distillation is not supported (upstream does not accumulate it either)")
+_COCA = Flag(R, "CoCa is not trained here: CLIP/SigLIP only")
+_COOLDOWN = Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const")
+_ADAMW = "the optimizer is AdamW (--lr, --beta1, --beta2, --eps, --wd)"
 
 FLAGS: Dict[str, Flag] = {
     # data
@@ -43,8 +49,7 @@ FLAGS: Dict[str, Flag] = {
     "--csv-separator": _CSV, "--csv-img-key": _CSV, "--csv-caption-key": _CSV,
     "--image-key": Flag(L, "the image is the first of .jpg/.png/.jpeg/.webp in a sample", ("jpg;png;jpeg;webp",)),
     "--text-key": Flag(L, "the caption is the sample's .txt member", ("txt",)),
-    "--json-text-key": Flag(R, "captions come from the .txt member, not from a .json field"),
-    "--json-text-key-probs": Flag(R, "captions come from the .txt member, not from a .json field"),
+    "--json-text-key": _JSON, "--json-text-key-probs": _JSON,
     "--max-image-pixels": Flag(R, "not configurable: images are opened lazily and decoded at the batch's size"),
     "--imagenet-val": Flag(W, "an ImageNet val folder (class subfolders, ImageFolder order)"),
     "--imagenet-v2": Flag(W, "an ImageNetV2 folder (subfolders 0..999); nothing is downloaded"),
@@ -90,16 +95,13 @@ FLAGS: Dict[str, Flag] = {
     "--force-custom-text": Flag(R, "the text tower is open_clip's native CLIP text tower"),
     "--force-naflex-vision": Flag(W, _NOOP + " (the image tower is always a NaFlexVit)"),
     "--use-naflex": Flag(W, _NOOP + " (NaFlex batching is always on)"),
-    "--image-mean": Flag(R, "patches are normalised with open_clip's CLIP mean and std"),
-    "--image-std": Flag(R, "patches are normalised with open_clip's CLIP mean and std"),
+    "--image-mean": _NORM, "--image-std": _NORM,
     "--image-interpolation": Flag(R, "images are resized bicubic to fit the sequence length"),
     "--image-resize-mode": Flag(R, "NaFlex keeps each image's aspect ratio; no crop or squash"),
     "--aug-cfg": Flag(R, "no augmentation beyond the NaFlex resize"),
     "--use-bnb-linear": Flag(R, "bitsandbytes layers are not supported"),
-    "--distill-model": Flag(R, "distillation is not supported (upstream does not accumulate it either)"),
-    "--distill-pretrained": Flag(R, "distillation is not supported (upstream does not accumulate it either)"),
-    "--coca-caption-loss-weight": Flag(R, "CoCa is not trained here: CLIP/SigLIP only"),
-    "--coca-contrastive-loss-weight": Flag(R, "CoCa is not trained here: CLIP/SigLIP only"),
+    "--distill-model": _DISTILL, "--distill-pretrained": _DISTILL,
+    "--coca-caption-loss-weight": _COCA, "--coca-contrastive-loss-weight": _COCA,
     "--siglip": Flag(W), "--local-loss": Flag(W), "--gather-with-grad": Flag(W),
     "--loss-dist-impl": Flag(R, "each loss uses open_clip 3.3.0's default distributed implementation"),
     # optimisation
@@ -111,13 +113,10 @@ FLAGS: Dict[str, Flag] = {
                            "bf16, fp16, pure_bf16, pure_fp16 cast the weights themselves and are refused with "
                            "that reason"),
     "--lr-scheduler": Flag(W, "cosine or const"),
-    "--epochs-cooldown": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
-    "--lr-cooldown-end": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
-    "--lr-cooldown-power": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
+    "--epochs-cooldown": _COOLDOWN, "--lr-cooldown-end": _COOLDOWN, "--lr-cooldown-power": _COOLDOWN,
     "--skip-scheduler": Flag(R, "use --lr-scheduler const --warmup 0 (a constant --lr)"),
     "--momentum": Flag(R, "for timm optimizers; the optimizer is AdamW"),
-    "--opt": Flag(L, "the optimizer is AdamW (--lr, --beta1, --beta2, --eps, --wd)", ("adamw",)),
-    "--opt-kwargs": Flag(R, "the optimizer is AdamW (--lr, --beta1, --beta2, --eps, --wd)"),
+    "--opt": Flag(L, _ADAMW, ("adamw",)), "--opt-kwargs": Flag(R, _ADAMW),
     "--opt-fallback-list": Flag(R, "Muon-family optimizers are not offered; the optimizer is AdamW"),
     "--text-layer-decay": Flag(R, "layer-wise LR decay is not offered; --lock-text-unlocked-layers freezes instead"),
     "--image-layer-decay": Flag(R, "layer-wise LR decay is not offered; --lock-image-unlocked-groups freezes instead"),
@@ -190,8 +189,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         if flag.status == L:
             parser.add_argument(option, action=_Limited, default=flag.allowed[0], help=argparse.SUPPRESS)
         else:
-            parser.add_argument(option, action=_Refuse, nargs="*", default=argparse.SUPPRESS,
-                                help=argparse.SUPPRESS)
+            parser.add_argument(option, action=_Refuse, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def check_namespace(args: argparse.Namespace) -> None:

@@ -22,14 +22,12 @@ from .liveness import Liveness
 DEFAULT_TIMEOUT = 600.0  # --dist-timeout's default (docs/distributed.md says why)
 LONG_TIMEOUT = 7200.0  # start-up to the first step's end, and rank 0's solo phases (or --dist-timeout, if longer)
 
-# NCCL: a collective that times out ends the process (its CUDA work cannot go on), and the flight recorder
-# dumps every rank's last collectives (to TORCH_FR_DUMP_TEMP_FILE, default /tmp/nccl_trace_rank_N). Each is
-# set unless the user set it (under either of its names).
+# NCCL: a timed-out collective ends the process, and the flight recorder dumps every rank's last collectives;
+# each is set unless the user set it (under either of its names).
 NCCL_DEFAULTS = {("TORCH_NCCL_ASYNC_ERROR_HANDLING",): "3", ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
                  ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000"}
 
-# The first variable found wins, as open_clip's world_info_from_env; not that function itself, because it
-# turns a half-set environment into a silent single-process run, which is refused here.
+# The first variable found wins, as open_clip's world_info_from_env (which takes a half-set environment for one process)
 
 
 @dataclass
@@ -208,8 +206,7 @@ def _master_address(env) -> tuple:
 
 
 def _open_store(world: World, address: tuple, timeout: timedelta):
-    """The job's store where env:// has it: the torchrun agent's at MASTER_ADDR:MASTER_PORT
-    (TORCHELASTIC_USE_AGENT_STORE=True), else rank 0 serves it there."""
+    """The job's store where env:// has it: torchrun's agent's at MASTER_ADDR:MASTER_PORT, else rank 0's."""
     host, port = address
     serves = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
     try:
@@ -243,9 +240,8 @@ def init_distributed(device_arg=None, env=None, world: Optional[World] = None) -
         for names, value in NCCL_DEFAULTS.items() if device.type == "cuda" else ():  # as torchtitan
             if not any(name in os.environ for name in names):
                 os.environ[names[0]] = value
-        # What the job's script reads if this process ends without a word: killed, or torn down by NCCL's
-        # watchdog (a collective past --dist-timeout under TORCH_NCCL_ASYNC_ERROR_HANDLING=3), a rank lost as
-        # much as one the others name: requeue. The class the process ends with replaces it.
+        # What the job's script reads if this process ends without a word (killed, or NCCL's watchdog after
+        # --dist-timeout): requeue. The class the process ends with replaces it.
         record_exit(EXIT_LOADER, f"rank {world.rank} ended without a word: killed, or ended by NCCL's watchdog "
                                  "after --dist-timeout (its output says which)")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

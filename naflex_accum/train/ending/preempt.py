@@ -19,8 +19,7 @@ from typing import List
 EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped on request after saving; run it again to continue
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHED_ENV = "NAFLEX_ACCUM_LAUNCHED"
-# A STOP file this much older than the launch still counts: the launcher's, this node's and the file server's
-# clocks differ a little, and the seconds of $NAFLEX_ACCUM_LAUNCHED are whole. A requeued job starts far later.
+# A STOP file this much older than the launch still counts (clocks differ a little; the launch's seconds are whole)
 CLOCK_SKEW = 2.0
 _IMPORTED = time.time()  # an upper bound on this process's start
 log = logging.getLogger(__name__)

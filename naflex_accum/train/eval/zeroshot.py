@@ -46,7 +46,6 @@ def add_args(parser) -> None:
                    help="ImageNetV2 folder (subfolders 0..999) for zero-shot")
 
 
-# ---- class lists ----------------------------------------------------------------------------------------------
 
 class ClassList(NamedTuple):
     name: str
@@ -101,7 +100,6 @@ def load_class_list(spec: str) -> ClassList:
     return ClassList(name, classnames, templates, json_label)
 
 
-# ---- evaluation -----------------------------------------------------------------------------------------------
 
 def accuracy(logits: torch.Tensor, target: torch.Tensor, topk=(1,)) -> List[float]:
     """Correct predictions among the top k, for each k: open_clip's ``accuracy`` (3.3.0's fails under numpy 2)."""

@@ -29,9 +29,7 @@ EPOCH_RE = re.compile(r"^epoch_(\d+)\.pt$")
 STEP_RE = re.compile(r"^step_(\d+)\.pt$")
 MOST_RECENT = "epoch_latest.pt"
 TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")
-# What a payload may hold beyond what torch.load(weights_only=True) accepts by default (tensors, numbers,
-# strings, None, and lists, tuples and dicts of them). Ours needs nothing more: model, optimizer and scaler
-# state dicts, counters, the schedule settings and each rank's random state (uint8 tensors).
+# What a payload may hold beyond torch.load(weights_only=True)'s defaults; ours needs nothing more.
 ALLOWED_GLOBALS: tuple = ()
 REQUIRED_KEYS = ("epoch", "state_dict", "optimizer")
 ZIP_START = b"PK\x03\x04"  # torch.save's format since torch 1.6

@@ -19,12 +19,10 @@ from ..model.finetune import mismatch
 
 log = logging.getLogger(__name__)
 
-# The flags that decide the batches of an epoch, and so which batch a saved step continues at.
-# Neither the world size nor --workers is among them: the epoch's sample order depends on neither (data.order).
+# The flags that decide an epoch's batches (not the world size nor --workers: the sample order depends on neither)
 SCHEDULE_FLAGS = ("accum_freq", "naflex_max_tokens_per_batch", "naflex_seq_lens", "naflex_seq_len_probs",
-                  "naflex_patch_sizes", "naflex_batch_divisor", "train_num_samples",
-                  "naflex_num_train_image_tokens", "seed", "dataset_resampled",
-                  "train_data_upsampling_factors", "sample_shuffle_size")
+                  "naflex_patch_sizes", "naflex_batch_divisor", "train_num_samples", "naflex_num_train_image_tokens",
+                  "seed", "dataset_resampled", "train_data_upsampling_factors", "sample_shuffle_size")
 # The sample order a mid-epoch payload's position refers to (data.slots); a payload of another one cannot go on.
 ORDER = 2
 

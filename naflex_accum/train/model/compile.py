@@ -20,8 +20,7 @@ TORCH_RECOMPILE_LIMIT = 8  # torch.compile's default; never lowered
 
 
 def compile_model(model, args, distributed: bool = False) -> None:
-    """``model.compile()`` in place with the run's backend and mode; its recompile limit set for the run's
-    sequence lengths."""
+    """``model.compile()`` in place, the run's backend and mode; recompile limit set for its sequence lengths."""
     if distributed and args.grad_checkpointing:
         dynamo_config.optimize_ddp = False
     graphs = 2 * len(args.naflex_seq_lens) * len(args.naflex_patch_sizes) + 2  # grad modes; eval

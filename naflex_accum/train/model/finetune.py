@@ -76,7 +76,6 @@ def validate(args) -> None:
     zeroshot.validate(args)
 
 
-# ---- pretrained weights ---------------------------------------------------------------------------------------
 
 def read_state_dict(path: str) -> Dict[str, torch.Tensor]:
     """A state_dict from a local file, read by the safe reader: raw, or under state_dict/model keys, without
@@ -132,7 +131,6 @@ def load_pretrained(model, path: str, model_name: str = "the model") -> str:
     return f"{what}, {len(state_dict)} tensors"
 
 
-# ---- locking --------------------------------------------------------------------------------------------------
 
 def image_layer_groups(visual) -> List[List[torch.nn.Parameter]]:
     """The image tower's parameters in layer groups, input side first: timm's own groups, then the projection."""

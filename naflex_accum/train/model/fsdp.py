@@ -79,8 +79,7 @@ def load_model_state(model, state: Dict[str, torch.Tensor]) -> None:
 
 def full_optimizer_state(model, optimizer) -> Optional[Dict]:
     """The optimizer's state keyed by parameter name, on the CPU (rank 0; None elsewhere when sharded)."""
-    state = get_optimizer_state_dict(model, optimizer,
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not state:
         return None
     state["state"] = {name: _plain_entry(name, entry) for name, entry in state["state"].items()}

@@ -30,8 +30,7 @@ class _FileHandler(logging.FileHandler):
 
 
 class _ConsoleHandler(logging.StreamHandler):
-    """The console: each record through ``tqdm.write``, which takes the progress bar off its line first and
-    draws it again below, so a log line never starts where the bar ends."""
+    """The console, through ``tqdm.write``: the progress bar is redrawn below, never sharing a line with a record."""
 
     def emit(self, record):
         try:
@@ -75,9 +74,7 @@ class RunLogger:
 
     def __init__(self, logger: logging.Logger, is_master: bool, tensorboard_dir=None, wandb_run=None,
                  results_file=None):
-        self.log = logger
-        self.is_master = is_master
-        self.writer, self.wandb = None, wandb_run
+        self.log, self.is_master, self.writer, self.wandb = logger, is_master, None, wandb_run
         self.results_file = results_file if is_master else None
         if is_master and tensorboard_dir is not None:
             try:
@@ -88,8 +85,7 @@ class RunLogger:
         self.first_loss: Optional[float] = None
         self.epoch_losses: list = []  # average training loss of each finished epoch
         self.evals: list = []  # (epoch, metrics) of each evaluation
-        self.epoch = 0
-        self.bar = None
+        self.epoch, self.bar = 0, None
 
     def start_epoch(self, epoch: int, num_steps: int, meters: Optional[dict] = None):
         """``meters``: what ``meter_state`` saved inside this epoch (a resume), so its averages cover it whole."""
@@ -138,8 +134,7 @@ class RunLogger:
             raise WriteError(self.writer.log_dir, exc) from None
 
     def _console_line(self, epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps):
-        done = info["epoch_samples"]
-        digits = len(str(samples_per_epoch))
+        done, digits = info["epoch_samples"], len(str(samples_per_epoch))
         losses = " ".join(f"{k.capitalize()}: {m.val:#.5g} ({m.avg:#.5g})" for k, m in self.loss_meters.items())
         self.log.info(
             f"Train Epoch: {epoch} [{done:>{digits}}/{samples_per_epoch} "
@@ -148,8 +143,7 @@ class RunLogger:
             f"LR: {info['lr']:5f} Logit Scale: {info['logit_scale']:.3f} {losses}")
 
     def end_epoch(self, global_step: int = 0, complete: bool = True):
-        """The epoch's averages (``complete``; the epoch ended at ``global_step``), or nothing for an epoch left
-        by a stop request."""
+        """The epoch's averages (``complete``: it ended at ``global_step``); nothing for one left by a stop."""
         if self.is_master and complete and "loss" in self.loss_meters:
             self.epoch_losses.append(self.loss_meters["loss"].avg)
             summary = "  ".join(f"Avg {k.capitalize()}: {m.avg:#.5g}" for k, m in self.loss_meters.items())
@@ -222,8 +216,7 @@ def write_params(path, args, log: Optional[logging.Logger] = None) -> None:
 
 
 def log_file_only(line: str) -> None:
-    """``line`` as an ERROR record in out.log alone: rank 0's report of another rank's failure, which goes to
-    stderr as well (and not again to the console's stdout)."""
+    """``line`` as an ERROR record in out.log alone: another rank's failure, which rank 0 prints on stderr."""
     logger = logging.getLogger(LOGGER_NAME)
     record = logger.makeRecord(LOGGER_NAME, logging.ERROR, __file__, 0, line, None, None)
     for handler in list(logger.handlers):
