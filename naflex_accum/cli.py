@@ -74,14 +74,9 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
 
 
 def entry(argv: Optional[List[str]] = None) -> int:
-    """``main`` for a process that ends with the command (the console script, ``python -m``).
-
-    Ctrl-C is one line and exit 130 at any moment (``interrupt``, set up before the command's imports); a
-    reader of its output that goes away (``| head``) ends nothing (``output``). With
-    ``$NAFLEX_ACCUM_EXIT_FILE`` set, the exit status is also written there, with the one line the process
-    ended with under it: torchrun exits 1 whatever status its workers had, and a cluster script that requeues
-    on 74 reads the trainer's own from the file, and prints the line in its job log.
-    """
+    """``main`` for a process that ends with the command: Ctrl-C is one line and exit 130 (``interrupt``); a
+    closed reader (``| head``) ends nothing; ``$NAFLEX_ACCUM_EXIT_FILE`` gets the status and the last line
+    (torchrun exits 1 whatever its workers' status, and a requeue on 74 reads the trainer's own)."""
     install_interrupt()
     code = 1  # what an exception leaving here means
     last_word("")

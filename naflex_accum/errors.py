@@ -40,9 +40,7 @@ class WriteError(UsageError):
 
 
 class StepError(ValueError):
-    """A bad setting or input the accumulation step (or its contract, ``ContractError``) refuses, in one line,
-    so a runner prints it instead of a traceback from inside the step.
-    """
+    """A bad setting or input the step (or its contract) refuses in one line, which a runner prints, not a traceback."""
 
 
 class ContractError(StepError):
@@ -50,8 +48,7 @@ class ContractError(StepError):
 
 
 class PatchError(RuntimeError):
-    """The installed open_clip is not one the patch can be installed on (one line; ``upstream.patch.patch_error``
-    words it)."""
+    """The installed open_clip is not one the patch can be installed on (``upstream.patch.patch_error``)."""
 
     def __init__(self, message: str, version: str, found: str, expected: str, missing: bool):
         self.version, self.expected, self.found, self.missing = version, expected, found, missing
@@ -125,8 +122,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def check_int(value, flag: str, minimum: int = 1, noun: Optional[str] = None) -> int:
     """``value`` if it is an int (not a bool) of at least ``minimum``; else a UsageError naming ``flag`` ("a
-    positive integer", "an integer >= N", or ``noun``).
-    """
+    positive integer", "an integer >= N", or ``noun``)."""
     if not is_int_at_least(value, minimum):
         noun = noun or ("a positive integer" if minimum == 1 else f"an integer >= {minimum}")
         raise UsageError(f"{flag} must be {noun}, got {value!r}")

@@ -17,10 +17,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command that 
 
 
 def install() -> None:
-    """SIGINT raises ``KeyboardInterrupt`` in this process only. Only Python's own handler is replaced: a
-    process started with SIGINT ignored (a shell script's background command) keeps ignoring it, a program
-    that set its own handler keeps it, and outside the main thread (where no handler can be set) nothing
-    changes."""
+    """SIGINT raises ``KeyboardInterrupt`` in this process only. Only Python's own handler is replaced: an ignored
+    SIGINT stays ignored, a program's own handler stays, and outside the main thread nothing changes."""
     if _signal.getsignal(SIGINT) is not _signal.default_int_handler:
         return
     owner = os.getpid()
@@ -63,10 +61,8 @@ class _Deferred:
 
 
 def deferred() -> _Deferred:
-    """A block that holds a SIGINT arriving inside it until it ends, then lets the handler act on it: for
-    starting the loader's workers, where an interrupt inside fork's hooks would be dropped or leave workers
-    unrecorded (``data.workers``). Main thread only.
-    """
+    """A block that holds a SIGINT until it ends (starting the loader's workers: one inside fork's hooks would be
+    dropped or leave workers unrecorded). Main thread only."""
     return _Deferred()
 
 

@@ -38,8 +38,7 @@ default_cfgs: dict = {}
 
 
 def register_timm_models() -> None:
-    """Add the NaFlexVit sizes above, and every NaFlexVit's any-patch-size name, to timm's registry
-    (idempotent), through timm's public API."""
+    """Add the NaFlexVit sizes above and their any-patch-size names to timm's registry (idempotent, public API)."""
     for name, fields in TIMM_SIZES.items():
         if is_model(name):
             continue
@@ -60,9 +59,8 @@ def register_timm_models() -> None:
 
 
 def any_patch_size(timm_name: str) -> str:
-    """The timm name, registered here, of tower ``timm_name`` taking unflattened ``[B, L, P, P, C]`` patches
-    of any patch size: ``timm.create_model(timm_name, enable_patch_interpolator=True)``, timm's own
-    build-time option (its interpolator has no parameters: the state_dict is the plain tower's)."""
+    """The timm name, registered here, of tower ``timm_name`` taking ``[B, L, P, P, C]`` patches of any size:
+    timm's ``enable_patch_interpolator=True`` (no parameters: the state_dict is the plain tower's)."""
     base, tag = split_model_name_tag(timm_name)
     if not base.endswith(ANY_PATCH_SUFFIX):
         variant = base + ANY_PATCH_SUFFIX
@@ -78,8 +76,7 @@ def any_patch_size(timm_name: str) -> str:
 
 
 def _build_naflexvit(name: str, pretrained: bool, cfg: NaFlexVitCfg, out_indices=3, **kwargs) -> NaFlexVit:
-    """A NaFlexVit as timm builds its own (``build_model_with_cfg``); config fields among ``kwargs`` override
-    ``cfg``'s."""
+    """A NaFlexVit as timm builds its own (``build_model_with_cfg``); ``kwargs`` override ``cfg``'s fields."""
     names = {f.name for f in dataclasses.fields(NaFlexVitCfg)}
     cfg = dataclasses.replace(cfg, **{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     return build_model_with_cfg(NaFlexVit, name, pretrained, pretrained_filter_fn=checkpoint_filter_fn, cfg=cfg,
@@ -87,9 +84,8 @@ def _build_naflexvit(name: str, pretrained: bool, cfg: NaFlexVitCfg, out_indices
 
 
 def register() -> None:
-    """Let plain open_clip and timm build these models: timm's registry gets the NaFlexVit sizes above and
-    the ``_flexi`` names (an export of a model trained with several patch sizes names one), open_clip's the
-    model configs by name (``open_clip.create_model("naflex-B-16")``). Idempotent."""
+    """Let plain open_clip and timm build these models (timm's registry the sizes above and the ``_flexi`` names,
+    open_clip's the model configs by name: ``open_clip.create_model("naflex-B-16")``). Idempotent."""
     register_timm_models()
     if not set(list_models()) <= set(open_clip.list_models()):
         open_clip.add_model_config(CONFIG_DIR)
@@ -137,11 +133,8 @@ def create_model(
         text_dropout: float = 0.0,
         grad_checkpointing: bool = False,
 ):
-    """An open_clip ``CLIP`` with a NaFlexVit image tower, returning a dict.
-
-    ``patch_sizes``: more than one takes unflattened patches of any size; ``siglip`` forces a ``logit_bias`` (init
-    -10, scale ln 10) on or off (``None``: the config's); ``grad_checkpointing``: the model's own.
-    """
+    """An open_clip ``CLIP`` with a NaFlexVit image tower, returning a dict; several ``patch_sizes`` take patches
+    of any size; ``siglip`` forces a ``logit_bias`` (init -10, scale ln 10) on or off (``None``: the config's)."""
     register_timm_models()
     model = CLIP(**model_config(name_or_config, siglip=siglip, patch_dropout=patch_dropout, drop_path=drop_path,
                                 patch_sizes=patch_sizes), output_dict=True)
@@ -153,9 +146,8 @@ def create_model(
 
 
 def takes_flat_patches(patch_sizes: Optional[Sequence[int]]) -> bool:
-    """Whether the tower built for ``patch_sizes`` takes flattened ``[B, L, P*P*C]`` patches (one size: its own
-    patch embedding's) rather than unflattened ``[B, L, P, P, C]`` ones of any size (several): every batch the
-    model is given, trained or evaluated, is shaped by this."""
+    """Whether the tower for ``patch_sizes`` takes flattened ``[B, L, P*P*C]`` patches (one size) rather than
+    ``[B, L, P, P, C]`` of any size (several): every batch it is given, trained or evaluated, is shaped so."""
     return patch_sizes is None or len(patch_sizes) < 2
 
 
@@ -208,8 +200,7 @@ class UpstreamStyleCoCa(CoCa):
 
 def fill_decoder_projection(model) -> None:
     """Initialise CoCa's ``text_decoder.text_projection`` as open_clip's ``init_parameters`` means to: open_clip
-    makes it with ``torch.empty`` and never fills it (NaN at times), which no audit can reproduce.
-    """
+    makes it with ``torch.empty`` and never fills it (NaN at times), which no audit can reproduce."""
     projection = model.text_decoder.text_projection
     nn.init.normal_(projection, std=projection.shape[0] ** -0.5)  # shape[0] is the decoder's width
 
@@ -217,8 +208,7 @@ def fill_decoder_projection(model) -> None:
 def create_coca_model(config: Optional[dict] = None, *, patch_dropout: Optional[float] = None,
                       text_dropout: float = 0.0, logit_bias: bool = False, grad_checkpointing: bool = False):
     """A tiny random open_clip ``CoCa`` (dense images) returning upstream main's CoCa outputs; ``text_dropout``
-    in the text tower and decoder; ``logit_bias`` adds one (unused by CoCaLoss).
-    """
+    in the text tower and decoder; ``logit_bias`` adds one (unused by CoCaLoss)."""
     cfg = copy.deepcopy(config or COCA_TINY)
     if patch_dropout is not None:
         cfg["vision_cfg"]["patch_dropout"] = patch_dropout

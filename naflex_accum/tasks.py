@@ -53,8 +53,7 @@ class ContrastiveTask(nn.Module):
 
     def prepare_batch(self, batch: Dict, device, input_dtype: Optional[torch.dtype] = None) -> Dict:
         """Move tensors to ``device`` (floats as ``input_dtype``); uint8 NaFlex patches are normalised there, after
-        the move: a quarter of the bytes cross, and the loader's CPUs skip the float pass.
-        """
+        the move: a quarter of the bytes cross, and the loader's CPUs skip the float pass."""
         out = {}
         for key, value in batch.items():
             if isinstance(value, dict):
@@ -83,8 +82,7 @@ class SigLipTask(ContrastiveTask):
 
 class CocaTask(ContrastiveTask):
     """open_clip's CoCa with ``CoCaLoss``, as upstream main's ``CoCaTask``: both paths shift for teacher forcing,
-    and ``compute_accum_loss`` does it upstream's way (adds ``labels``, slices ``logits``, pops ``logit_bias``).
-    """
+    and ``compute_accum_loss`` does it upstream's way (adds ``labels``, slices ``logits``, pops ``logit_bias``)."""
 
     def __init__(self, model, *, caption_loss_weight=2.0, clip_loss_weight=1.0, local_loss=False,
                  gather_with_grad=False, rank=0, world_size=1):

@@ -65,8 +65,7 @@ def form_of(value) -> Optional[Contract]:
 def task_result(value, where: str, contract: Optional[Contract],
                 logits: Optional[Dict] = None) -> Tuple[Dict, Dict, Contract]:
     """``(losses, report, generation)`` from what ``where`` returned; ``contract``: the generation expected (None:
-    the value's own form); ``logits``: what the step passed in, which a ``losses`` task does not report back.
-    """
+    the value's own form); ``logits``: what the step passed in, which a ``losses`` task does not report back."""
     found = form_of(value)
     if found is None or (contract is not None and found is not contract):
         expected = contract.task_form if contract is not None else KNOWN_FORMS

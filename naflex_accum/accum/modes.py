@@ -27,8 +27,7 @@ def resolve_mode(mode: str = None) -> str:
 
 
 def get_step(mode: str = None):
-    """The step function of ``mode`` (``None``: $NAFLEX_ACCUM_MODE, else the default); it follows the task's
-    contract."""
+    """The step of ``mode`` (``None``: $NAFLEX_ACCUM_MODE, else the default); it follows the task's contract."""
     module, name, _ = STEPS[resolve_mode(mode)]
     return getattr(importlib.import_module(module), name)
 

@@ -31,8 +31,7 @@ def cuda_devices_of(obj) -> List[int]:
 
 class RngState:
     """The CPU generator state, plus the states of the CUDA devices in use: one per microbatch for the step,
-    a process's (``current()``, ``to_dict()``, ``restore()``) for a checkpoint.
-    """
+    a process's (``current()``, ``to_dict()``, ``restore()``) for a checkpoint."""
 
     def __init__(self, devices: List[int], cpu: Optional[torch.Tensor] = None,
                  cuda: Optional[List[torch.Tensor]] = None):

@@ -41,16 +41,12 @@ def validate_sizes(sizes: Sequence[int]) -> list:
     bad = [(i, s) for i, s in enumerate(sizes) if not is_positive_int(s)]
     if bad:
         where = ", ".join(f"position {i}: {s!r}" for i, s in bad)
-        raise StepError(
-            f"microbatch sizes must be positive integers; got {where} in window {sizes!r}."
-        )
+        raise StepError(f"microbatch sizes must be positive integers; got {where} in window {sizes!r}.")
     return sizes
 
 
 def check_options(mode: Optional[str], reference_batch_size, naflex: bool = True) -> str:
-    """Validate the flags a window will use, before anything runs; the reference batch size only where the
-    mode scales a NaFlex window (upstream's dense runs never read it).
-    """
+    """Validate a window's flags before anything runs (the reference batch size only where a mode scales NaFlex)."""
     mode = validate_mode(mode)
     if mode != "none" and naflex:
         validate_reference_batch_size(reference_batch_size)
@@ -63,13 +59,8 @@ def window_loss_scale(
         mode: Optional[str],
         naflex: Union[bool, Sequence[bool]] = True,
 ) -> float:
-    """One loss scale for a whole accumulation window.
-
-    'none' -> 1.0; 'linear' -> sum(sizes) / (len(sizes) * reference_batch_size),
-    i.e. the mean microbatch size over the reference; 'sqrt' -> its square root.
-    ``naflex`` is whether the window is NaFlex, or one flag per microbatch: a
-    dense window gets 1.0 (as upstream), a mixed one is refused.
-    """
+    """One loss scale for a whole window: 'none' 1.0, 'linear' the mean microbatch size over the reference,
+    'sqrt' its square root; a dense window (``naflex``, or one flag per microbatch) 1.0, a mixed one refused."""
     mode = validate_mode(mode)
     sizes = validate_sizes(sizes)
     if not isinstance(naflex, bool):
@@ -85,9 +76,7 @@ def window_loss_scale(
 
 
 def window_is_naflex(flags: Sequence[bool]) -> bool:
-    """True for an all-NaFlex window, False for all-dense; a mix (no single meaning for the scale) is refused
-    with the positions named.
-    """
+    """True for an all-NaFlex window, False for all-dense; a mix is refused with the positions named."""
     flags = [bool(f) for f in flags]
     if all(flags):
         return True

@@ -80,13 +80,8 @@ def _accum_freq(args) -> int:
 
 
 class AccumulationStep:
-    """Callable with upstream's ``_train_step_eager`` signature; a mode supplies the window's backward.
-
-    A mode implements ``prepare(task, window, cache, accum_batches, scaler, autocast) -> state``, run
-    once when the window's outputs are all cached, and ``backward_microbatch(task, window, state, j,
-    model_out, final, scaler, autocast)``, run once per microbatch with its live outputs;
-    ``state.result`` is the ``(losses, report, generation)`` of ``accum_loss``.
-    """
+    """Callable with upstream's ``_train_step_eager`` signature; a mode supplies the window's backward:
+    ``prepare(...) -> state`` once all outputs are cached, ``backward_microbatch(...)`` once per microbatch."""
 
     def __init__(self, contract: Optional[Contract] = None):
         self.contract = contract  # None: answer in whichever generation the task speaks
@@ -99,11 +94,8 @@ class AccumulationStep:
         return window.scale
 
     def logit_inputs(self, model_out: dict, j: int, final: bool) -> dict:
-        """The logit values microbatch ``j``'s backward sees: taking gradient in the final one only.
-
-        Every backward carries the whole window's loss, so the others pass them through ``zero_gradient``: counted
-        once, yet every backward reaches the logit parameters (FSDP2), and the synced final one gives DDP them all.
-        """
+        """The logit values microbatch ``j``'s backward sees: taking gradient in the final one only; the others
+        pass them through ``zero_gradient``, so every backward still reaches the logit parameters (FSDP2)."""
         return {key: (model_out[key] if final else zero_gradient(model_out[key]))
                 for key in LOGIT_KEYS if key in model_out}
 
@@ -161,8 +153,7 @@ class AccumulationStep:
         return spoken.step_result(losses, report, sum(window.sizes), ([], {}))
 
     def admit(self, task, batch, cache: WindowCache, args) -> Microbatch:
-        """Check a microbatch before its forward (its model is the window's, its kind and size fit); capture its
-        random state."""
+        """Check a microbatch before its forward (model, kind and size); capture its random state."""
         cache.check_model(task.trainable_module)
         records = cache.microbatches
         naflex = is_naflex_batch(batch)
@@ -185,9 +176,8 @@ class AccumulationStep:
         return Window(records, mode, scale, ref)
 
     def backward_window(self, task, window, cache, accum_batches, scaler, autocast):
-        """Every microbatch's backward, the final one synced and carrying the logit terms: the last
-        microbatch's caching forward runs with grad and its graph serves as its replay, then the others
-        are replayed."""
+        """Every microbatch's backward, the final one synced and carrying the logit terms: the last one's caching
+        forward runs with grad and serves as its replay, then the others are replayed."""
         k, module = len(accum_batches), task.trainable_module
         with self.grad_sync(module, False):
             with autocast():
@@ -201,8 +191,7 @@ class AccumulationStep:
         return detach_values(losses), detach_values(report), spoken
 
     def replay(self, task, window, state, accum_batches, replayed, scaler, autocast) -> None:
-        """Replay microbatches ``replayed`` in order, each under its caching random state; the last one's
-        backward syncs the gradients."""
+        """Replay ``replayed`` in order, each under its caching random state; the last backward syncs."""
         module, replayed = task.trainable_module, list(replayed)
         for j in replayed:
             final = j == replayed[-1]

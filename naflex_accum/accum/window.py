@@ -54,8 +54,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 class ModelRef:
-    """A weak reference to microbatch 0's model: a (deep) copy of the state shares it; pickle cannot carry it,
-    so an unpickled window holds none."""
+    """A weak reference to microbatch 0's model, shared by a deep copy; an unpickled window holds none."""
 
     def __init__(self, module):
         self.ref = weakref.ref(module)
@@ -143,9 +142,8 @@ class WindowCache:
                 f"in every microbatch.")
 
     def check_model(self, module) -> None:
-        """Refuse a microbatch that comes through another model than the window's first one. A torch.compile
-        wrapper made anew around the same model is the same model; a DDP wrapper is not: the window's gradient
-        sync rides on the wrapper, so one window mixing DDP and its bare model would sync nothing."""
+        """Refuse a microbatch through another model than the window's first (a new torch.compile wrapper is the
+        same model; a DDP wrapper is not: the gradient sync rides on it)."""
         module, position = getattr(module, "_orig_mod", module), len(self.batches)
         if not position:
             self.model = ModelRef(module)

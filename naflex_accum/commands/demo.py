@@ -61,8 +61,7 @@ def summarize(result: dict) -> None:
     print(f"  {'':<32}{f'before (epoch {first})':>18}{f'after (epoch {last})':>18}")
     for label, *keys in ROWS:
         keys = [k.format(classes.name) for k in keys]
-        cells = [" / ".join(f"{m[k]:.3f}" for k in keys) if all(k in m for k in keys) else "-"
-                 for m in (before, after)]
+        cells = [" / ".join(f"{m[k]:.3f}" for k in keys) if all(k in m for k in keys) else "-" for m in (before, after)]
         print(f"  {label:<32}{cells[0]:>18}{cells[1]:>18}")
     n = len(classes.classnames)
     print(f"  chance: R@1 {1 / max(1, result['val_samples']):.4f}; zero-shot over {n} colour-shape classes "

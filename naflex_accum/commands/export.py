@@ -105,9 +105,8 @@ def run_params(checkpoint: Path) -> Tuple[Optional[str], Dict[str, str]]:
 
 def trained_patch_sizes(payload: dict, name: str, params: Optional[str],
                         entries: Dict[str, str]) -> Optional[List[int]]:
-    """The ``--naflex-patch-sizes`` the checkpoint was trained with: its own record (``train.kept.resume``), else its
-    schedule (a mid-epoch checkpoint's before checkpoints had the record), else the run's params.txt (which a
-    resume with other sizes does not change); None where none records them (the model's own size)."""
+    """The ``--naflex-patch-sizes`` the checkpoint was trained with: its own record, else its schedule, else the
+    run's params.txt; None where none records them (the model's own size)."""
     schedule = payload.get("schedule")
     if "naflex_patch_sizes" in payload:
         where, sizes = name, payload["naflex_patch_sizes"]

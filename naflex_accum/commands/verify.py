@@ -74,8 +74,7 @@ def _task_for(loss: str):
 
 
 def _upstream_problem():
-    """``(None, contract)`` when upstream's step can be patched here (signature, then the contract probe), else
-    ``(PatchError, None)``."""
+    """``(None, contract)`` when upstream's step can be patched here, else ``(PatchError, None)``."""
     try:
         contract, _ = gate(import_target(), original_step())
     except PatchError as exc:

@@ -31,8 +31,7 @@ class Lease:
 
 
 class Pool:
-    """Recycled memory for assembled patches (uint8, as the loader hands them over): at most ``keep`` free buffers
-    are kept."""
+    """Recycled memory for assembled uint8 patches: at most ``keep`` free buffers are kept."""
 
     def __init__(self, keep: int = 8, dtype: torch.dtype = torch.uint8):
         self.free: List[np.ndarray] = []
@@ -76,8 +75,7 @@ def _copy_rows(out: torch.Tensor, value: torch.Tensor, index: List[int]) -> None
 
 
 def _into(full: List[Tuple[Dict, Dict]], batch_size: int, pool: Optional[Pool], target: torch.Tensor) -> Dict:
-    """The batch with ``target`` (a ring buffer, ``ring``) as its patches: the rows the workers wrote there stay,
-    the others are copied in."""
+    """The batch with ring buffer ``target`` as its patches: rows the workers wrote there stay, others copied in."""
     small = [({**part, "image": {k: v for k, v in part["image"].items() if k != "patches"}}, m["rows"])
              for part, m in full]
     batch = _fill(small, batch_size, False, pool)
@@ -91,10 +89,8 @@ def _into(full: List[Tuple[Dict, Dict]], batch_size: int, pool: Optional[Pool], 
 def assemble(parts: List[Tuple[Optional[Dict], Dict]], batch_size: int, pin: bool = False,
              pool: Optional[Pool] = None, target: Optional[torch.Tensor] = None,
              buffer: Optional[int] = None) -> Tuple[Dict, Dict]:
-    """``(batch, meta)`` from one batch's ``(part, meta)`` pairs; ``meta`` sums the parts' counts (samples, image
-    tokens, corrupt samples, stand-ins) and has
-    ``keys``, each row's sample key (``url#key``). ``target``: the ring buffer ``buffer`` assigned to the
-    batch, which parts with ``meta["ring"]`` have written their rows into."""
+    """``(batch, meta)`` from one batch's ``(part, meta)`` pairs; ``meta`` sums the parts' counts and has each row's
+    ``keys``. ``target``: the ring buffer the parts with ``meta["ring"]`` wrote their rows into."""
     full = [(part, meta) for part, meta in parts if part is not None]
     meta = {"index": parts[0][1]["index"], "samples": sum(m.get("samples", 0) for _, m in full),
             "image_tokens": sum(m.get("image_tokens", 0) for _, m in full),

@@ -75,8 +75,7 @@ def _reduced(info: ImageInfo, factor: int) -> ImageInfo:
 
 def _within_budget(info: ImageInfo, factor: int) -> int:
     """The smallest DCT reduction, at least ``factor``, whose decode of ``info`` fits ``DECODE_BUDGET``; 0 if none."""
-    return next((f for f in (1,) + FACTORS[::-1] if f >= factor and peak_bytes(_reduced(info, f)) <= DECODE_BUDGET),
-                0)
+    return next((f for f in (1,) + FACTORS[::-1] if f >= factor and peak_bytes(_reduced(info, f)) <= DECODE_BUDGET), 0)
 
 
 def over_budget(info: ImageInfo) -> str:

@@ -26,9 +26,7 @@ def _passthrough(batch):
 
 
 class EpochCounter:
-    """Per-epoch counters and the rate-limited warnings for corrupt samples (training counts stand-ins; held-out
-    data skips an unusable sample).
-    """
+    """Per-epoch counters and rate-limited warnings for corrupt samples (stand-ins in training, skips held-out)."""
 
     def __init__(self, what: str, epoch: Optional[int] = None):
         self.what, self.logged, self.train = what, set(), epoch is not None
@@ -68,19 +66,14 @@ class EpochCounter:
 
 
 def freeze_heap() -> None:
-    """In a loader worker: exempt the heap it inherited from the cyclic garbage collector.
-
-    A full collection walks those ~400,000 never-garbage objects (0.2 s) and, forked, copies their pages from the
-    parent; the frozen garbage goes with the worker. The training process freezes nothing: the collection it
-    would need first costs more than the freeze saves.
-    """
+    """In a loader worker: exempt the inherited heap from the cyclic collector (a full collection walks ~400,000
+    objects, 0.2 s, and copies their pages); the training process freezes nothing (its first collection costs more)."""
     gc.freeze()
 
 
 def init_worker(worker_id: int) -> None:
-    """Freeze the inherited heap (``freeze_heap``), and leave stopping to the main process: it decides when a
-    run stops (finish the step, save, exit), so a SIGTERM or SIGUSR1 sent to the whole process group (SLURM,
-    Kubernetes), or a terminal's Ctrl-C (SIGINT), must not kill a worker under it, nor make it print."""
+    """Freeze the inherited heap, and leave stopping to the main process: a SIGTERM, SIGUSR1 or SIGINT sent to
+    the whole process group (SLURM, Kubernetes, a terminal) must not kill a worker under it, nor make it print."""
     freeze_heap()
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
@@ -102,8 +95,7 @@ def torch_loader(dataset, workers: int, pin_memory: bool, persistent: bool = Fal
 
 def iterate(source, pin_memory: bool, receive: Receiver, timeout: float = 0.0) -> Iterator:
     """``(batch, meta)`` from ``source`` (a dataset, or a DataLoader over one); pinned if asked (and CUDA is);
-    a wait over ``timeout`` seconds (0: none) stops the workers (``workers``) or the in-process read (``alarm``).
-    """
+    a wait over ``timeout`` seconds (0: none) stops the workers (``workers``) or the in-process read (``alarm``)."""
     with deferred():  # a Ctrl-C while the workers start acts once they are registered, so they get stopped
         loader, source = source, iter(source)
         processes = of(loader)

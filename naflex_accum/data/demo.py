@@ -141,8 +141,7 @@ def _write_split(out_dir: str, split: str, num: int, seed: int, shard_size: int,
 def write_demo_data(out_dir: str, num_samples: int = 10000, val_samples: int = 1000, seed: int = 0,
                     shard_size: int = 1000, processes: int = 0) -> DemoData:
     """Write ``out_dir/train/shard-*.tar`` and ``out_dir/val/shard-*.tar`` (same-named shards overwritten);
-    returns their patterns. ``processes=0`` uses up to the machine's CPU count.
-    """
+    returns their patterns. ``processes=0`` uses up to the machine's CPU count."""
     check_int(num_samples, "--num-samples")
     check_int(shard_size, "--shard-size")
     check_int(val_samples, "--val-samples", 0)

@@ -139,10 +139,8 @@ class BatchFill:
         return None
 
     def _candidates(self, slot: int, q: int) -> Iterator[Tuple[int, int, int, int]]:
-        """``(pass, emission, id, slot read)`` of the stand-ins for ``slot``'s pass ``q``, in order of preference:
-        its own part's samples after its rows of the window (then from the pass's start; with resampling, the
-        rounds after), then, where that part has none usable, other parts' samples whose id ``owner`` gives to
-        this slot (so no two slots pick the same one)."""
+        """``(pass, emission, id, slot read)`` of the stand-ins for ``slot``'s pass ``q``, best first: its own part's
+        samples after its rows, then other parts' whose id ``owner`` gives to this slot (no two slots pick one)."""
         ranges, positions = self.portion(slot)
         taken = set(positions.values())
         mine = [(first, end) for q_, first, end in ranges if q_ == q]

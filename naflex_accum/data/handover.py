@@ -33,8 +33,7 @@ def fresh_shared(numel: int) -> torch.Tensor:
 
 class SlotRef:
     """A batch's patches in slot ``slot`` of worker ``worker`` (its first ``prod(shape)`` bytes); ``memory`` travels
-    with a slot generation's first batch only. Not a tuple, so the pin-memory thread passes it as it is.
-    """
+    with a slot generation's first batch only. Not a tuple, so the pin-memory thread passes it as it is."""
     __slots__ = ("worker", "slot", "generation", "shape", "memory")
 
     def __init__(self, worker: int, slot: int, generation: int, shape: Tuple[int, ...],
@@ -100,14 +99,9 @@ class WorkerSlots:
 
 
 def pack(item: Tuple[Optional[Dict], Dict]) -> Tuple[Optional[Dict], Dict]:
-    """In a worker: the batch's small tensors as numpy arrays, which travel inside the pickled message.
-
-    Only patches in shared memory go through torch's file-descriptor passing, whose authenticated
-    hand-over per tensor costs both processes more than the pipe does for these few kilobytes.
-    Where ``meta`` has the part's patch grid (``grid``: each row's patch count and width, and
-    ``seq_len``), the coordinates and mask stay behind: the receiver rebuilds them from it
-    (``naflex.patch_grid``, as the collate made them), a few hundred bytes for ~100 KB.
-    """
+    """In a worker: the batch's small tensors as numpy arrays inside the pickled message (torch's per-tensor fd
+    passing costs more for a few KB); with ``meta["grid"]`` the coordinates and mask stay behind, rebuilt by the
+    receiver (``naflex.patch_grid``)."""
     batch, meta = item
     if batch is None:
         return item
@@ -121,8 +115,7 @@ def pack(item: Tuple[Optional[Dict], Dict]) -> Tuple[Optional[Dict], Dict]:
 
 class Receiver:
     """The main process's side: each worker slot's memory, mapped once, and the batches over it; it lives as
-    long as the workers whose ``WorkerSlots`` share ``flags``.
-    """
+    long as the workers whose ``WorkerSlots`` share ``flags``."""
 
     def __init__(self, flags: Optional[torch.Tensor] = None):
         self.flags = None if flags is None else flags.numpy()

@@ -168,9 +168,7 @@ def inspect(data: bytes) -> ImageInfo:
 
 def peak_bytes(info: ImageInfo) -> int:
     """About the most memory ``decode_rgb`` holds at once for ``info``'s image, from its header alone: the
-    decoder's output (torchvision's: 3 samples a pixel, 4 with alpha, 2 bytes each at 16 bits), the one uint8
-    copy made of it (composited over white, or the high bytes of 16-bit samples), Pillow's images and arrays,
-    and half a byte a pixel for the strips and the resize's intermediate rows."""
+    decoder's output, its one uint8 copy, Pillow's images, and half a byte a pixel for strips and resize rows."""
     pixels = info.height * info.width
     if not info.torchvision:
         per_pixel = PILLOW_BYTES_PER_PIXEL
@@ -191,9 +189,8 @@ def channels_last(img: torch.Tensor) -> torch.Tensor:
 
 
 def over_white(rgba: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[4, H, W]`` RGBA -> ``[3, H, W]`` RGB (channels-last) composited over white, rounded to nearest.
-
-    ``STRIP_PIXELS`` pixels at a time, in place: the int32 arithmetic never spans the whole image."""
+    """uint8 ``[4, H, W]`` RGBA -> ``[3, H, W]`` RGB (channels-last) over white, rounded to nearest; in place,
+    ``STRIP_PIXELS`` at a time, so the int32 arithmetic never spans the whole image."""
     _, h, w = rgba.shape
     out = torch.empty((h, w, 3), dtype=torch.uint8)
     rows = max(1, STRIP_PIXELS // max(1, w))
@@ -207,8 +204,7 @@ def over_white(rgba: torch.Tensor) -> torch.Tensor:
 
 
 def high_bytes(img: torch.Tensor) -> torch.Tensor:
-    """uint16 ``[C, H, W]`` (channels-last memory, as torchvision's decoders give) -> a uint8 view of each
-    sample's high byte (``v >> 8``), with no copy."""
+    """uint16 ``[C, H, W]`` (channels-last, as torchvision decodes) -> a uint8 view of each high byte, no copy."""
     hwc = channels_last(img).permute(1, 2, 0)
     return hwc.view(torch.uint8)[..., _HIGH_BYTE::2].permute(2, 0, 1)
 

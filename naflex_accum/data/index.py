@@ -44,15 +44,13 @@ def same_file(url: str):
 
 
 def canonical(url: str) -> str:
-    """A shard's name in a checkpoint's shard list: a local file's real path (relative and absolute spellings
-    alike), else the URL."""
+    """A shard's name in a checkpoint's shard list: a local file's real path, else the URL."""
     path = local_path(url)
     return url if path is None else os.path.realpath(path)
 
 
 def _listed(urls: Sequence[str]) -> Dict[str, int]:
-    """``{url: count}`` for the local shards their folder's ``sizes.json`` lists (open_clip's convention); a count
-    the file cannot hold is one line."""
+    """``{url: count}`` of the local shards their folder's ``sizes.json`` lists; a bad count is one line."""
     folders: Dict[str, dict] = {}
     out = {}
     for url in urls:

@@ -114,8 +114,7 @@ class FolderSource:
 
 class LabelledBatches(torch.utils.data.IterableDataset):
     """``(NaFlex image batch, labels)`` of a source, built in the loader's workers; last yield is the problems.
-    Images become patches exactly as training batches do, so zero-shot accuracy is measured on the pixels training sees.
-    """
+    Images become patches exactly as training batches do (zero-shot accuracy on the pixels training sees)."""
 
     def __init__(self, source, seq_len: int, patch_size: int, batch_size: int, decode: str = "scaled",
                  flatten: bool = True):

@@ -31,11 +31,8 @@ RING_LOOKAHEAD = 4  # batches past the one delivered that get a ring buffer: mor
 
 
 class TrainLoader:
-    """One rank's training batches; ``set_epoch`` picks the epoch (and the first batch), iterating yields its batches.
-
-    ``iter_meta()`` adds each batch's ``meta`` (``index``, ``samples``, ``image_tokens`` counted on the CPU: no device
-    sync). Workers persist across epochs; ``pin_memory=True`` (CUDA) delivers pinned batches.
-    """
+    """One rank's training batches; ``set_epoch`` picks the epoch (and the first batch), iterating yields its batches;
+    ``iter_meta()`` adds each batch's CPU-side ``meta``. Workers persist across epochs."""
 
     def __init__(self, cfg: DataConfig, tokenizer: Callable, pin_memory: bool = False):
         self.cfg, self.tokenizer, self.pin_memory = cfg, tokenizer, pin_memory
@@ -100,9 +97,7 @@ class TrainLoader:
         self._position[:7].copy_(torch.tensor(values, dtype=torch.int64))
 
     def set_epoch(self, epoch: int, start_batch: int = 0, segment: Optional[Segment] = None):
-        """Iterate epoch ``epoch`` (or ``segment`` of it) from batch ``start_batch`` on: exactly the whole epoch's
-        batches from there, the ones before skipped without decoding.
-        """
+        """Iterate epoch ``epoch`` (or ``segment``) from batch ``start_batch`` on, the ones before skipped undecoded."""
         check_int(epoch, "epoch", 0)
         check_int(start_batch, "start_batch", 0)
         if segment is None:
@@ -118,8 +113,7 @@ class TrainLoader:
 
     def resized(self, saved: Segment, steps_done: int, samples: int, tokens: int) -> Segment:
         """The segment at this world size that goes on with ``saved``'s epoch after its step ``steps_done``, covering
-        in whole steps what is left of the epoch's target after ``samples`` and ``tokens`` (global) consumed.
-        """
+        in whole steps what is left of the epoch's target after ``samples`` and ``tokens`` (global) consumed."""
         saved_steps = max(1, saved.num_batches // self.cfg.accum_freq)
         progress = saved.progress + (1.0 - saved.progress) * (steps_done - saved.first_step) / saved_steps
         num_samples, num_tokens = self._target
@@ -266,8 +260,7 @@ class ValLoader:
 
 def data_index(cfg: DataConfig) -> DataIndex:
     """The shards of ``--train-data``, their sizes, sources and resampling weights: made once on rank 0 and given
-    to every rank (``DataConfig.index``), so all cut their epochs from the same sizes.
-    """
+    to every rank (``DataConfig.index``), so all cut their epochs from the same sizes."""
     sources = expand_sources(cfg.train_data, "--train-data")
     urls = [url for source in sources for url in source]
     seen = {}

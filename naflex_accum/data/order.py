@@ -29,8 +29,7 @@ def check_slots(slots: int, world_size: int, where: str = "--data-slots") -> int
 @dataclass(frozen=True)
 class Segment:
     """Epoch ``epoch`` from global position ``base`` on, ``num_batches`` batches per rank at ``world_size``; after
-    ``first_step`` optimizer steps worth ``progress`` of the epoch's LR schedule and ``base_tokens`` token slots.
-    """
+    ``first_step`` optimizer steps worth ``progress`` of the epoch's LR schedule and ``base_tokens`` token slots."""
     epoch: int
     num_batches: int
     world_size: int
@@ -50,8 +49,7 @@ class Segment:
 
 def slot_worker(slot: int, world_size: int, workers: int) -> int:
     """The loader worker (of ``workers``) that reads ``slot``: a slot's positions in a pass are congruent modulo
-    the world size, so fall to one rank, whose slots ``r, r + W, ...`` its workers take in turn.
-    """
+    the world size, so fall to one rank, whose slots ``r, r + W, ...`` its workers take in turn."""
     return (slot // world_size) % max(1, workers)
 
 

@@ -26,10 +26,7 @@ IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 
 def image_to_patches(img: torch.Tensor, seq_len: int, patch_size: int = 16,
                      mean=IMAGE_MEAN, std=IMAGE_STD, flatten: bool = True) -> Dict[str, torch.Tensor]:
-    """A float [C, H, W] image in [0, 1], resized (keeping its aspect) to at most ``seq_len`` patches.
-
-    ``flatten=False`` gives patches ``[N, P, P, C]`` instead of ``[N, P*P*C]``.
-    """
+    """A float [C, H, W] image in [0, 1] resized to at most ``seq_len`` patches (``flatten=False``: [N, P, P, C])."""
     _, (h, w) = get_image_size_for_seq(tuple(img.shape[-2:]), patch_size, seq_len)
     img = F.interpolate(img[None], size=(h, w), mode="bicubic", antialias=True, align_corners=False)[0]
     img = (img.clamp(0, 1) - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
@@ -39,12 +36,8 @@ def image_to_patches(img: torch.Tensor, seq_len: int, patch_size: int = 16,
 
 @functools.lru_cache(maxsize=1 << 16)
 def size_for_seq(hw: Tuple[int, int], patch_size: int, seq_len: int) -> Tuple[int, int]:
-    """(h, w), multiples of ``patch_size``, keeping the aspect of ``hw`` within ``seq_len`` patches (cached).
-
-    timm's ``get_image_size_for_seq(hw, patch_size, seq_len)[1]``: the same bisection
-    with the same floating-point operations, inlined, because it runs once per image
-    and timm's nested calls cost a fifth of a decode; the tests compare the two.
-    """
+    """(h, w), multiples of ``patch_size``, keeping the aspect of ``hw`` within ``seq_len`` patches (cached):
+    timm's ``get_image_size_for_seq`` inlined, same float operations (its calls cost a fifth of a decode; tested)."""
     (h, w), p, ceil = hw, patch_size, math.ceil
     lb, rb, eps = 1e-6, 100.0, 1e-5
     while (rb - lb) >= eps:
@@ -60,8 +53,7 @@ def size_for_seq(hw: Tuple[int, int], patch_size: int, seq_len: int) -> Tuple[in
 
 def resize_for_seq(img: torch.Tensor, seq_len: int, patch_size: int = 16) -> torch.Tensor:
     """A uint8 ``[C, H, W]`` image resized (keeping its aspect) to at most ``seq_len`` patches: torchvision's
-    uint8 antialiased bicubic, Pillow's filter to within rounding (channels-last input is fastest).
-    """
+    uint8 antialiased bicubic, Pillow's filter to within rounding (channels-last input is fastest)."""
     h, w = size_for_seq(tuple(img.shape[-2:]), patch_size, seq_len)
     if (h, w) == tuple(img.shape[-2:]):
         return img
@@ -70,8 +62,7 @@ def resize_for_seq(img: torch.Tensor, seq_len: int, patch_size: int = 16) -> tor
 
 @functools.lru_cache(maxsize=16)
 def _normaliser(mean, std, repeat: int, device: str = "cpu") -> Tuple[torch.Tensor, torch.Tensor]:
-    """(shift, scale), each ``repeat`` copies of the per-channel values on ``device``: ``x * scale + shift``
-    normalises uint8 x."""
+    """(shift, scale) on ``device``, each channel's value ``repeat`` times: ``x * scale + shift`` normalises x."""
     std = torch.tensor(std, dtype=torch.float32)
     shift, scale = (-torch.tensor(mean, dtype=torch.float32) / std).repeat(repeat), (1.0 / (255.0 * std)).repeat(repeat)
     return shift.to(device), scale.to(device)
@@ -79,12 +70,8 @@ def _normaliser(mean, std, repeat: int, device: str = "cpu") -> Tuple[torch.Tens
 
 def patchify_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: int = 16, flatten: bool = True,
                     alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
-    """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one zero-padded uint8 NaFlex batch.
-
-    ``normalize_patches`` makes the model's floats on the device, as timm's ``NaFlexPrefetchLoader`` does; one
-    strided copy per image (``patchify_into``). ``alloc(numel)``, if given, supplies the patches' memory (shared
-    memory or a ``handover`` slot, so the hand-over copies nothing).
-    """
+    """uint8 ``[C, h, w]`` images (sides multiples of ``patch_size``) -> one zero-padded uint8 NaFlex batch, one
+    strided copy per image; ``alloc(numel)`` may supply the memory (a ``handover`` slot: nothing copied later)."""
     p, n = patch_size, len(images)
     channels = images[0].shape[0]
     shape = (n, seq_len, p * p * channels)
@@ -98,9 +85,8 @@ def patchify_images(images: Sequence[torch.Tensor], seq_len: int, patch_size: in
 
 
 def patchify_into(row, img: torch.Tensor, patch_size: int, index: int = 0) -> Tuple[int, int]:
-    """Image ``img`` (uint8 ``[C, h, w]``) as patches into ``row``, a numpy uint8 ``[seq_len, P*P*C]`` row of a
-    batch, zero-padded: ``(patch count, grid width)``. The data pipeline calls it right after each image's
-    resize, while the image is still in the cache (gathered later, per batch, it costs 3x more at seq 576)."""
+    """Image ``img`` (uint8 ``[C, h, w]``) as patches into ``row`` (uint8 ``[seq_len, P*P*C]``), zero-padded:
+    ``(patch count, grid width)``. Called right after the resize, while the image is in the cache (3x cheaper)."""
     pixels = img.numpy()  # numpy from here: its calls cost a fraction of torch's on these small arrays
     c, h, w = pixels.shape
     p = patch_size
@@ -117,10 +103,8 @@ def patchify_into(row, img: torch.Tensor, patch_size: int, index: int = 0) -> Tu
 
 def normalize_patches(image: Dict[str, torch.Tensor], mean=IMAGE_MEAN, std=IMAGE_STD,
                       dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
-    """A uint8 NaFlex batch (``patchify_images``) as the model's normalised float one, on the patches' device:
-    one ``x * scale + shift`` in float32 (then ``dtype``), padding exactly zero, bit for bit the CPU collate's.
-    Float patches are returned as they are.
-    """
+    """A uint8 NaFlex batch as the model's normalised float one, on its device: one ``x * scale + shift`` in
+    float32, padding exactly zero, bit for bit the CPU collate's. Float patches are returned as they are."""
     patches = image["patches"]
     if patches.is_floating_point():
         return image
@@ -145,9 +129,8 @@ _host_memory = None  # the recycled float32 memory of CPU-normalised batches (``
 
 
 def _normalize_rows(patches: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor):
-    """The CPU's way: each image's own rows converted and normalised while they are in the cache, its padding
-    (the rows' tail) a memset, into recycled memory (a fresh batch costs a page fault per 4 KB, more than
-    the normalise)."""
+    """The CPU's way: each image's rows normalised while in the cache, its padding a memset, into recycled memory
+    (a fresh batch costs a page fault per 4 KB, more than the normalise)."""
     global _host_memory
     if _host_memory is None:
         _host_memory = Pool(keep=4, dtype=torch.float32)  # a trainer holds a window's batches at most
@@ -178,8 +161,7 @@ def patch_grid(counts: Sequence[int], widths: Sequence[int], seq_len: int) -> Tu
 
 def pil_to_patches(img, seq_len: int, patch_size: int = 16, flatten: bool = True) -> Dict[str, torch.Tensor]:
     """A PIL image resized (Pillow's bicubic) to at most ``seq_len`` patches, as uint8 patches: the Pillow
-    reference for the pipeline's path (``collate_uint8_patches`` normalises a batch of them).
-    """
+    reference for the pipeline's path (``collate_uint8_patches`` normalises a batch of them)."""
     h, w = size_for_seq((img.height, img.width), patch_size, seq_len)
     if img.mode in ("P", "PA") and "transparency" in img.info:
         img = img.convert("RGBA")  # what PIL asks for; converting a palette with transparency straight to RGB warns
@@ -211,9 +193,7 @@ def _collate(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
 
 def collate_uint8_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
                           mean=IMAGE_MEAN, std=IMAGE_STD) -> Dict[str, torch.Tensor]:
-    """Stack uint8 patch dicts (``pil_to_patches``), normalised (``normalize_patches``) and zero-padded to
-    ``seq_len``.
-    """
+    """Stack uint8 patch dicts (``pil_to_patches``), normalised and zero-padded to ``seq_len``."""
     return normalize_patches(_collate(items, seq_len, torch.uint8), mean, std)
 
 

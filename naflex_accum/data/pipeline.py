@@ -23,10 +23,8 @@ from .text import BatchTokenizer
 
 
 def _take(samples: Iterator[RawSample], count: int, use: Callable, report: Corruption, flag: str) -> List:
-    """``use(sample)`` for the next ``count`` samples it succeeds on (fewer only if ``samples`` ends).
-
-    A sample ``use`` raises on is skipped and reported; ``MAX_CONSECUTIVE_FAILURES`` in a row is a UsageError.
-    """
+    """``use(sample)`` for the next ``count`` samples it succeeds on (fewer only if ``samples`` ends); one it raises
+    on is skipped and reported, ``MAX_CONSECUTIVE_FAILURES`` in a row is a UsageError."""
     out, failures = [], 0
     while len(out) < count:
         raw = next(samples, None)
@@ -57,9 +55,8 @@ def decode_samples(samples: Iterator[RawSample], count: int, seq_len: int, patch
 
 def make_batch(images: List[torch.Tensor], captions: List[str], seq_len: int, patch_size: int, flatten: bool,
                tokenize: Callable, alloc: Optional[Callable[[int], torch.Tensor]] = None) -> Dict:
-    """A held-out batch as the loader hands it over: uint8 patches (``naflex.normalize_patches`` makes the
-    model's floats, on the training device: the task's ``prepare_batch``); ``alloc`` supplies the patches'
-    memory (shared memory, ``handover``), else a new tensor. Training parts are built by ``_part``."""
+    """A held-out batch as the loader hands it over: uint8 patches (the task's ``prepare_batch`` normalises them on
+    the device); ``alloc`` supplies their memory, else a new tensor. Training parts are built by ``_part``."""
     return {"image": patchify_images(images, seq_len, patch_size, flatten, alloc=alloc), "text": tokenize(captions)}
 
 
@@ -82,13 +79,8 @@ def _segment(position: torch.Tensor) -> Tuple[Segment, int]:
 
 
 class TrainStream(torch.utils.data.IterableDataset):
-    """One rank's batches of one epoch segment; in a DataLoader worker, that worker's part of each of them.
-
-    ``position`` is the shared int64 tensor ``TrainLoader`` writes its segment and start batch into (persistent
-    workers follow ``set_epoch``); each worker yields its slots' rows of every batch (``order.slot_worker``,
-    ``meta["rows"]``). With ``recycle`` patches go into ``handover`` slots and must be received through a
-    ``handover.Receiver`` over ``flags``.
-    """
+    """One rank's batches of one epoch segment; in a DataLoader worker, its slots' rows of each. ``position``: the
+    shared tensor ``set_epoch`` writes; with ``recycle`` patches go into ``handover`` slots (a ``Receiver``)."""
 
     def __init__(self, index: DataIndex, plan: Schedule, position: torch.Tensor, rank: int, workers: int,
                  window: int, tokenizer: Callable, resampled: bool = False, recycle: bool = False,
@@ -123,8 +115,7 @@ class TrainStream(torch.utils.data.IterableDataset):
 
     def epoch_order(self, epoch: int, slots: int) -> EpochOrder:
         # passes kept apart by one optimizer step's window: the contrastive batch the loss sees
-        return EpochOrder(self.index, self.plan.seed, epoch, slots, self.window, self.plan.window_rows,
-                          self.resampled)
+        return EpochOrder(self.index, self.plan.seed, epoch, slots, self.window, self.plan.window_rows, self.resampled)
 
     def _batches(self, worker: int, segment: Optional[Segment] = None, start: Optional[int] = None,
                  alloc: Optional[Callable[[int], torch.Tensor]] = None):
@@ -172,8 +163,7 @@ class TrainStream(torch.utils.data.IterableDataset):
             readers.close()
 
     def _ring_rows(self, generation: int, index: int, spec: BatchSpec, rows: List[int]):
-        """``((patches, rows), buffer)`` when the main process assigned batch ``index`` a ring buffer, else
-        (None, None)."""
+        """``((patches, rows), buffer)`` when batch ``index`` was assigned a ring buffer, else (None, None)."""
         buffer = None if self.ring is None else self.ring.lookup(generation, index)
         shape = (spec.batch_size, spec.seq_len, spec.patch_size ** 2 * 3)
         if buffer is None or spec.batch_size * shape[1] * shape[2] > self.ring.capacity:
@@ -184,11 +174,9 @@ class TrainStream(torch.utils.data.IterableDataset):
 
 def _part(fill: BatchFill, located: List[Tuple[int, int, int]], order: List[int], spec: BatchSpec, decode: str,
           into=None, alloc: Optional[Callable[[int], torch.Tensor]] = None):
-    """One worker's part of a batch, its rows ``order`` (ascending): ``(image, captions, keys, grid)``, each in
-    row order. Each image goes into its row the moment it is decoded (``naflex.patchify_into``), while it is
-    still in the cache: into the ring buffer ``into=(patches, rows)`` (the image dict's patches are then
-    None), else into ``alloc``'s memory or a new tensor; a row whose sample cannot serve takes a stand-in
-    (``fill``)."""
+    """One worker's part of a batch, its rows ``order``: ``(image, captions, keys, grid)`` in row order. Each image
+    goes into its row as it is decoded: into the ring buffer ``into=(patches, rows)`` (its dict's patches then
+    None), else ``alloc``'s memory or a new tensor; a row whose sample cannot serve takes a stand-in (``fill``)."""
     seq_len, p = spec.seq_len, spec.patch_size
     shape = (len(order), seq_len, p * p * 3)
     if into is None:

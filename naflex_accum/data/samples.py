@@ -70,9 +70,8 @@ def shard_error(url: str, exc: OSError) -> ShardReadError:
 
 
 def tar_members(url: str, want: Optional[Callable[[str], bool]] = None) -> Iterator[Tuple[str, Optional[bytes]]]:
-    """(file name, bytes) of each regular file in a tar (``pipes.open_shard``: paths, file:, pipe:, ...); ``want``
-    as ``tario.iter_tar``'s (a member it refuses comes with None, its data unread). An OS error (one with an
-    errno; a failed command, a damaged archive are none) raises ``ShardReadError``."""
+    """(file name, bytes) of each regular file in a tar (``pipes.open_shard``); ``want`` as ``tario.iter_tar``'s.
+    An OS error (one with an errno; not a failed command or a damaged archive) raises ``ShardReadError``."""
     stream, finished = None, False
     try:
         stream = open_shard(url)
@@ -145,8 +144,7 @@ def shard_samples(url: str, report: Corruption) -> Iterator[RawSample]:
 def shard_groups(url: str, start: int = 0, stop: Optional[int] = None
                  ) -> Iterator[Tuple[int, str, Dict[str, bytes]]]:
     """``(number, key, {extension: bytes})`` of samples ``start`` to ``stop`` of one shard, in tar order; those
-    before ``start`` passed over by their headers; a read error propagates after the samples before it.
-    """
+    before ``start`` passed over by their headers; a read error propagates after the samples before it."""
     state = {"key": None, "index": -1}
 
     def want(fname: str) -> bool:

@@ -125,9 +125,7 @@ class Schedule:
         return samples, tokens
 
     def num_batches_within(self, num_samples: Optional[int] = None, num_image_tokens: Optional[int] = None) -> int:
-        """Most batches per rank (a multiple of accum_freq, whole optimizer steps) whose global samples (or
-        token slots) stay within the positive target; 0 when not even one step fits. What is left over is less
-        than one step's worth."""
+        """Most batches per rank (whole steps) whose global samples (or token slots) stay within the target, or 0."""
         target, which = (num_samples, 0) if num_samples is not None else (num_image_tokens, 1)
         per_batch = [b if which == 0 else b * s for b, s in zip(self.batch_sizes, self.seq_lens)]
         expected = sum(p * x for p, x in zip(self.probs, per_batch)) * self.world_size

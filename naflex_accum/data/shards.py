@@ -45,8 +45,7 @@ def _expand_local(pattern: str, source: str, flag: str) -> List[str]:
 
 def expand_urls(spec: str, flag: str = "--train-data") -> List[str]:
     """``'a/{000..009}.tar::pipe:cat b.tar'`` -> the shard URLs: ``::``-joined sources, braceexpanded, local ones
-    also globs or a folder of ``.tar`` files, checked; ``pipe:`` and remote URLs pass unchecked.
-    """
+    also globs or a folder of ``.tar`` files, checked; ``pipe:`` and remote URLs pass unchecked."""
     return [url for source in expand_sources(spec, flag) for url in source]
 
 

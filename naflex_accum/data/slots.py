@@ -78,8 +78,7 @@ class DataIndex:
         self.total = int(self.offsets[-1])
 
     def listing(self) -> List[list]:
-        """``[name, count]`` per shard (``index.canonical`` names): what a checkpoint records to recognise the data
-        set."""
+        """``[name, count]`` per shard (``index.canonical``): what a checkpoint records to recognise the data."""
         return [[canonical(url), count] for url, count in zip(self.urls, self.counts)]
 
 

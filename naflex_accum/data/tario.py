@@ -121,8 +121,7 @@ class _Chunked:
 
     def skip(self, n: int) -> int:
         """Pass over the next ``n`` bytes uncopied; how many there were. Past the buffer on a seekable stream it
-        seeks, so a cut-short file shows as a short read at the next header.
-        """
+        seeks, so a cut-short file shows as a short read at the next header."""
         if self.pos + n <= len(self.buffer):
             self.pos += n
             return n
@@ -153,8 +152,7 @@ def _everything(name: str) -> bool:
 def iter_tar(stream: BinaryIO, want: Optional[Callable[[str], bool]] = None
              ) -> Iterator[Tuple[str, Optional[bytes]]]:
     """``(name, data)`` of each regular file of the tar archive read from ``stream``; a member ``want(name)``
-    refuses comes as ``(name, None)``, its data passed over (seeked past where the stream allows).
-    """
+    refuses comes as ``(name, None)``, its data passed over (seeked past where the stream allows)."""
     reader = _Chunked(stream)
     block = reader.take(BLOCK)
     if not block:

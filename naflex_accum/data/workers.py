@@ -82,8 +82,7 @@ def _watchdog() -> None:
 
 
 def register(iterator, processes, timeout: float = 0.0) -> Watch:
-    """Register a DataLoader iterator and its worker ``processes`` (``of``; none: a no-op); its ``Watch``, armed
-    if ``timeout``."""
+    """Register a DataLoader iterator and its worker ``processes`` (``of``); its ``Watch``, armed if ``timeout``."""
     global _WATCHDOG
     if not processes:
         return Watch()
@@ -133,10 +132,8 @@ def read_failed(exc: BaseException) -> bool:
 
 
 def lost(processes) -> Optional[RuntimeError]:
-    """torch's error for one of the worker ``processes`` seen dead within ``LOST_GRACE`` s, after a read from it
-    failed: a killed worker's sockets close before it can be reaped, so the read fails first with an error that
-    names no worker.
-    """
+    """torch's error for a worker of ``processes`` seen dead within ``LOST_GRACE`` s after a read failed (a killed
+    worker's sockets close before it can be reaped, so the read's error names no worker)."""
     deadline = time.monotonic() + LOST_GRACE
     while processes:
         dead = [w for w in processes if w.exitcode not in (None, 0)]
@@ -215,10 +212,8 @@ def _kill(processes) -> None:
 
 
 def stop(processes) -> None:
-    """SIGKILL the worker ``processes`` (``of``) that are still alive, then let their iterator release its queues.
-
-    The SIGCHLD reports of these deaths are dropped: a stop on purpose is no failure for the next batch
-    (of this run's next epoch, or of the next run in this process) to raise."""
+    """SIGKILL the worker ``processes`` (``of``) still alive, then let their iterator release its queues; their
+    SIGCHLD reports are dropped (a stop on purpose is no failure for the next batch to raise)."""
     _kill(processes)
     for iterator, group in list(_LIVE.items()):
         if any(w in group for w in processes):

@@ -1,18 +1,9 @@
 """One training epoch: schedule, step, check, log, save; every optimizer step goes through the accumulation step.
 
-Invariants: the loop only feeds microbatches to the step and reads its result;
-the scale, RNG replay, sync and optimizer logic live in the step, so the
-built-in trainer and a patched upstream run share one implementation. The
-learning rate is set from the global step before each microbatch, as upstream.
-The loop reads nothing from the device per microbatch and at most once per
-optimizer step (the monitor's check; sample and token counts come from the
-loader's CPU-side metadata). The first window of a run checks that every rank
-has the same microbatch sizes (the window scale must agree across ranks). An
-epoch resumed at step S at the saved world size skips the data of steps < S and
-restores the random state saved at S, so it trains exactly as the uninterrupted
-epoch would have; at another world size it goes on with the epoch's global
-sample order where the saved run stopped (``data.order``), with fresh random
-streams, and the learning rate goes on from the fraction of the epoch done.
+Invariants: the loop only feeds microbatches to the step and reads its result (so the trainer and a patched
+upstream run share one implementation); it reads the device at most once per optimizer step (``monitor``);
+the first window checks that every rank has the same microbatch sizes; a resumed epoch trains as the
+uninterrupted one would (docs/long-runs.md, "Resuming" and "Elastic resume").
 """
 import itertools
 import logging
@@ -66,21 +57,14 @@ class Loop:
 
 
 def epoch_seed(seed: int, epoch: int, rank: int, base: int = 0) -> int:
-    """Per-(epoch, rank) seed for dropout-style randomness, so a resumed epoch draws what it would have.
-
-    A segment after a world-size change (``base`` > 0) gets seeds of its own: the saved ranks'
-    streams do not map onto the new ranks.
-    """
+    """Per-(epoch, rank) seed, so a resumed epoch draws what it would have; a segment after a world-size
+    change (``base`` > 0) gets its own (the saved ranks' streams do not map onto the new ranks)."""
     return (seed * 1_000_003 + epoch * 10_007 + rank + base * 7_919_111) % (2 ** 63)
 
 
 def lr_position(state, segment: Segment, step: int, k: int) -> float:
-    """Where segment step ``step`` is in the learning-rate schedule, in the schedule's own steps.
-
-    The fraction of the epoch done is the segment's starting fraction plus its share of the
-    rest, by steps of the segment: within an epoch run at one world size that is the step
-    itself; across a world-size change it goes on from where the saved run was.
-    """
+    """Segment step ``step`` in the schedule's own steps: the segment's starting fraction of the epoch plus its
+    share of the rest (at one world size, the step itself)."""
     ref, steps = state.lr_steps_per_epoch, max(1, segment.num_batches // k)
     if segment.progress == 0.0 and ref == steps:
         return ref * state.epoch + step
@@ -138,8 +122,7 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
     state.epoch_samples = segment.base + sum(spec.batch_size for spec in specs[:start]) * world.world_size
     # the epoch's samples as this segment ends it (another world size's resume ends it with its own schedule)
     epoch_total = segment.base + world.world_size * sum(spec.batch_size for spec in specs)
-    state.epoch_tokens = segment.base_tokens + world.world_size * sum(s.batch_size * s.seq_len
-                                                                      for s in specs[:start])
+    state.epoch_tokens = segment.base_tokens + world.world_size * sum(s.batch_size * s.seq_len for s in specs[:start])
     loop.logger.start_epoch(state.epoch, num_steps - state.step_in_epoch, state.meters)
     state.meters = None
     accum_state = ([], {}) if k > 1 else None
@@ -169,8 +152,7 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
             state.samples_seen += step_batch_size * world.world_size
             state.epoch_samples += step_batch_size * world.world_size
             loop.monitor.add(state.global_step, losses, report, sum(sizes), tokens, data_time)
-            after_step(state, loop, segment.first_step + i // k + 1, num_steps, lr, state.epoch_samples,
-                       epoch_total)
+            after_step(state, loop, segment.first_step + i // k + 1, num_steps, lr, state.epoch_samples, epoch_total)
             sizes, tokens, data_time = [], 0, 0.0
         end = time.time()
     state.step_in_epoch, state.rng_state = 0, None
@@ -189,8 +171,7 @@ def after_step(state, loop: Loop, done: int, num_steps: int, lr, epoch_samples, 
         return
     check = loop.monitor.check(loop.stop.pending())
     if check.steps:
-        info = dict(check.info, lr=lr, epoch_samples=epoch_samples,
-                    window_scale=loop.step_fn.window_scale)
+        info = dict(check.info, lr=lr, epoch_samples=epoch_samples, window_scale=loop.step_fn.window_scale)
         loop.logger.step(state.epoch, done, num_steps, state.global_step, info, samples_per_epoch, log_now)
     if check.stop or save_now:
         state.step_in_epoch, state.meters = done, loop.logger.meter_state()

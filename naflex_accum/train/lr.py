@@ -1,11 +1,7 @@
 """Learning-rate schedules by optimizer step: open_clip's own ``cosine_lr`` and ``const_lr``.
 
-Invariant: the rate is a pure function of the schedule position, so a resumed
-run (which restores the step) follows the uninterrupted schedule. At a whole
-step it is open_clip's value; at a fractional one (an epoch resumed at another
-world size goes on from the fraction of the epoch done) it lies on the straight
-line between open_clip's values at the steps either side, so it never leaves
-the range open_clip's curve spans (never above ``--lr``).
+Invariant: the rate is a pure function of the schedule position: open_clip's value at a whole step, and at a
+fractional one (an elastic resume) the straight line between its neighbours, so never above ``--lr``.
 """
 import math
 

@@ -1,11 +1,8 @@
 """``naflex-accum train``: build model, task, data and optimizer; train, evaluate, checkpoint.
 
-Invariants: a run is a pure function of its flags and seed: a run stopped or
-killed at any moment and resumed with ``--resume latest`` ends with the weights
-of an uninterrupted one (model, optimizer, scaler, counters, the position in the
-epoch and every rank's random state are restored, the data order re-derived);
-everything is built and checked before the run folder is created or changed;
-the exit status says how the run ended (``EXIT_CODES``).
+Invariants: a run stopped at any moment and resumed with ``--resume latest`` ends with the weights of an
+uninterrupted one; everything is built and checked before the run folder is created or changed; the exit
+status says how the run ended (``EXIT_CODES``).
 """
 import logging
 import shlex
@@ -86,10 +83,8 @@ def build_task(args, world, device):
         compile_model(model, args, world.distributed)  # in place: the task's trainable module is the model
     if world.distributed and not fsdp.sharded(model):
         ids = [device.index] if device.type == "cuda" else None
-        # find_unused_parameters keeps DDP's gradient buckets in one layout for the whole run: without it DDP
-        # rebuilds them after its first step in the order gradients became ready, so a resumed start's first
-        # step would sum 3+ ranks' gradients in another order than the uninterrupted run's, and its weights
-        # would part by round-off. The price is one autograd-graph walk per window and one warning per rank.
+        # find_unused_parameters keeps DDP's buckets in one layout, so a resumed start sums 3+ ranks' gradients in
+        # the uninterrupted run's order, bit for bit (docs/distributed.md)
         task.trainable_module = DDP(task.trainable_module, device_ids=ids, find_unused_parameters=True)
     return task, model
 
@@ -143,8 +138,7 @@ def _nonfinite_message(step: int, num_steps: int, saver: Saver) -> str:
 
 
 def _master_only(world, fn, *args):
-    """``fn(*args)`` on rank 0, kept there (None elsewhere); the others wait on the store meanwhile and share its
-    ``UsageError``."""
+    """``fn(*args)`` on rank 0 (None elsewhere); the others wait on the store and share its ``UsageError``."""
     kept = {}
     on_master(world, lambda: kept.update(value=fn(*args)))
     return kept.get("value")
@@ -242,8 +236,7 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
     autocast, metrics, exit_code = get_autocast(args.precision, device.type), {}, 0
     if world.peers is not None:
         world.peers.flushers.append(run_logger.flush)
-    loop = Loop(args, world, device, autocast, select_step(args), run_logger, stop, StepMonitor(device, world),
-                saver)
+    loop = Loop(args, world, device, autocast, select_step(args), run_logger, stop, StepMonitor(device, world), saver)
     log.info(f"Run folder {paths.root}: {num_steps} steps/epoch, {train_data.num_samples} samples/epoch, "
              f"world size {world.world_size}" + (f", resumed from {claim.resume}" if claim.resume else ""))
     for note in getattr(args, "notes", ()):
@@ -308,12 +301,9 @@ def _parse(argv, prog):
 
 
 def train(argv=None, prog="naflex-accum train", ends_process: bool = False) -> dict:
-    """Parse, set up the process group, run, tear down; returns run()'s summary (rank 0's is complete).
-
-    With several processes, a failure on any rank ends every rank in the first failure's exit class, its
-    line printed once (``liveness``): this raises ``QuietUsageError`` or ``RankEnded`` where another rank's
-    failure was printed elsewhere. ``ends_process``: this process ends with the run (the entry points say so):
-    a scheduler's signal after the run has saved is then ignored (``preempt``)."""
+    """Parse, set up the process group, run, tear down; run()'s summary (rank 0's is complete). With several
+    processes every rank ends in the first failure's class (``liveness``): ``QuietUsageError`` or ``RankEnded``
+    where it was printed elsewhere. ``ends_process``: see ``preempt``."""
     args = _parse(argv, prog)
     world, code = connect(timeout=args.dist_timeout, prog=prog, ends_process=ends_process), None
     try:

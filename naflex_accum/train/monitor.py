@@ -1,14 +1,8 @@
 """What the loop learns about its steps without waiting for the device, and the checks that read it.
 
-Invariants: between two checks the loop never reads the device: each step's
-losses are summed on the device and a non-finite window loss is recorded there
-(the global step of the first one); a check is one all-reduce of one packed
-tensor (losses, logit values, token count, stop votes, non-finite count) and one
-device-to-host read, on every rank at the same step, so every rank takes the
-same decision (log, stop, fail) at the same step. The loop checks on logging
-steps, the last step of an epoch, before every checkpoint and at least every
-``--check-every-n-steps`` steps, so a non-finite loss is seen before any
-checkpoint is written after it.
+Invariants: between two checks the loop never reads the device; a check is one all-reduce and one read on
+every rank at the same step, so all take the same decision; a non-finite loss is seen before any checkpoint
+is written after it. docs/long-runs.md, "Checks and device reads".
 """
 import time
 from contextlib import contextmanager

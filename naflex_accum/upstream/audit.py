@@ -43,8 +43,7 @@ class GradProbe(torch.optim.Optimizer):
 @dataclass(frozen=True)
 class WindowSpec:
     """What a random audit window looks like: NaFlex or dense images, text length and vocabulary; match it to
-    the model under audit (the vocabulary's last id is the end-of-text token, where CLIP's text tower pools).
-    """
+    the model under audit (the vocabulary's last id is the end-of-text token, where CLIP's text tower pools)."""
     images: str = "naflex"  # or "dense"
     image_size: int = 32
     context_length: int = 32
@@ -109,8 +108,7 @@ def to_device(obj, device):
 
 def full_batch_grads(task, batches: List[Dict], seeds: Sequence[int], chunked: bool, autocast=nullcontext):
     """Gradients of one backward of the loss over every example of ``batches`` (forward under ``autocast``);
-    ``chunked``: the forward per microbatch under its seed, as the step runs it, then one loss.
-    """
+    ``chunked``: the forward per microbatch under its seed, as the step runs it, then one loss."""
     task.zero_grad(set_to_none=True)
     with autocast():
         if not chunked:
@@ -125,8 +123,7 @@ def full_batch_grads(task, batches: List[Dict], seeds: Sequence[int], chunked: b
             losses, _, _ = task_result(task.compute_accum_loss(feats, logits, batches), "compute_accum_loss", None)
             losses["loss"] = total_loss(losses)
     losses["loss"].backward()
-    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-             for n, p in named_params(task)}
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in named_params(task)}
     task.zero_grad(set_to_none=True)
     return grads, losses["loss"].item()
 
@@ -204,12 +201,8 @@ def audit_case(step_fn: Callable, make_task: Callable, loss: str, mode: str, spl
                stochastic: bool = False, reference_batch_size: int = 4, seed: int = 0,
                scaler=None, tol: float = 1e-5, window: Optional[WindowSpec] = None,
                autocast=nullcontext, device=None) -> AuditResult:
-    """Compare ``step_fn`` on one split of a random window with the full-batch gradient.
-
-    ``make_task(loss, stochastic)`` builds a seeded task; ``loss`` ('clip', 'siglip', 'coca' or any label) picks
-    the window (``window_spec``) unless ``window`` is given; ``autocast`` wraps the step's and the reference's
-    forwards alike; ``device``: where task and window go.
-    """
+    """Compare ``step_fn`` on one split of a random window with the full-batch gradient; ``make_task(loss,
+    stochastic)`` builds a seeded task, ``loss`` picks the window unless ``window`` is given."""
     task = make_task(loss, stochastic)
     task.train()
     window = window or window_spec(loss)
@@ -230,8 +223,7 @@ def audit_case(step_fn: Callable, make_task: Callable, loss: str, mode: str, spl
 
 def default_task_factory(loss: str, stochastic: bool, **model_options):
     """The built-in tiny task, seeded: NaFlex CLIP (``naflex-tiny``) for 'clip'/'siglip', a tiny dense CoCa for
-    'coca'; ``model_options`` go to the model factory.
-    """
+    'coca'; ``model_options`` go to the model factory."""
 
     torch.manual_seed(0)
     if loss == "coca":
@@ -251,8 +243,7 @@ REFERENCE_BATCH_SIZE = 4
 def audit_row(step, make_task, loss: str, mode: str, split, stochastic: bool) -> AuditResult:
     """One row of ``verify``'s audit; a step (or reference) that raises gives a failed row with ``.error`` set."""
     try:
-        return audit_case(step, make_task, loss, mode, split, stochastic,
-                          reference_batch_size=REFERENCE_BATCH_SIZE)
+        return audit_case(step, make_task, loss, mode, split, stochastic, reference_batch_size=REFERENCE_BATCH_SIZE)
     except Exception as exc:  # the audited step failed on this install: a FAIL row that says why
         message = " ".join(str(exc).split()) or "(no message)"
         naflex = window_spec(loss).images == "naflex"

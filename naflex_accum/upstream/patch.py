@@ -48,8 +48,7 @@ def patch_error(version: str, found: str, expected: str = EXPECTED) -> PatchErro
 
 def open_clip_version() -> str:
     """The version of the open_clip in use, for messages; never raises. The imported package's own first: a
-    source tree ahead on ``sys.path`` shadows the installed distribution's metadata.
-    """
+    source tree ahead on ``sys.path`` shadows the installed distribution's metadata."""
     if "open_clip" in sys.modules:
         try:
             from open_clip.version import __version__  # only if imported: the one on sys.path is the one used
@@ -146,8 +145,7 @@ def step_calls() -> int:
 
 def _announce(message: str) -> None:
     """Say ``message`` once per process, on rank 0 only: to stderr wherever an INFO record would be dropped
-    (logging not configured yet, or at WARNING).
-    """
+    (logging not configured yet, or at WARNING)."""
     global _announced
     if _announced or process_rank() != 0:
         return
@@ -168,9 +166,8 @@ def describe(mode: Optional[str] = None) -> str:
 
 
 def gate(module, current, contract=None):
-    """The contract to install for on ``module`` whose step is ``current`` (``None``: follow the task), and the
-    probe that found it; ``PatchError`` when the signature, then the probed contract, fits no generation the fix
-    knows. ``install`` and ``naflex-accum verify`` both decide by it."""
+    """The contract to install for on ``module`` whose step is ``current``, and the probe that found it;
+    ``PatchError`` when none fits. ``install`` and ``naflex-accum verify`` both decide by it."""
     problem = contract_problem(current)
     if problem is not None:
         raise patch_error(open_clip_version(), problem)
@@ -194,10 +191,8 @@ def _check(module, current, force: bool, contract):
 
 
 def _refuse_another(current, mode: Optional[str], contract) -> None:
-    """``StepError`` when ``install(mode=mode, contract=contract)`` asks for another step than ``current`` (ours).
-
-    Refused rather than switched: a running loop may be mid-window, and ``patched()`` could not put the
-    earlier step back on exit."""
+    """``StepError`` when ``install`` asks for another step than ``current`` (ours): refused, not switched (a running
+    loop may be mid-window, and ``patched()`` could not put the earlier step back)."""
     wanted, installed = resolve_mode(mode), getattr(current, "mode", None)
     asked = f"mode={mode!r}" if mode else f"mode=None, that is {wanted} ($NAFLEX_ACCUM_MODE, else the default)"
     if wanted != installed:
@@ -209,12 +204,9 @@ def _refuse_another(current, mode: Optional[str], contract) -> None:
 
 
 def install(force: bool = False, mode: Optional[str] = None, contract=None) -> Callable:
-    """Replace upstream's ``_train_step_eager`` with the fixed step; return the installed function.
-
-    A no-op over ours in the same mode (and contract), ``StepError`` over another; ``PatchError`` where open_clip
-    fits no known contract, unless ``force``. ``mode``: ``"cached-loss"``, ``"replay"``, or ``None`` for
-    $NAFLEX_ACCUM_MODE; ``contract``: one to speak without probing. docs/upstream.md, "The patching API".
-    """
+    """Replace upstream's ``_train_step_eager`` with the fixed step, returned: a no-op over ours in the same mode,
+    ``StepError`` over another, ``PatchError`` where no contract fits unless ``force``. docs/upstream.md,
+    "The patching API"."""
     name = get_step(mode).__name__  # an unknown mode fails before anything is touched
     with _lock:
         module = import_target()
@@ -247,9 +239,7 @@ def uninstall() -> bool:
 
 @contextlib.contextmanager
 def patched(force: bool = False, mode: Optional[str] = None, contract=None):
-    """``with patched(): ...`` runs the block with the fixed step installed, then uninstalls only what it
-    installed.
-    """
+    """``with patched(): ...``: the block with the fixed step installed, then only what it installed removed."""
     was_installed = is_installed()
     fn = install(force=force, mode=mode, contract=contract)
     try:

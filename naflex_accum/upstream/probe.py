@@ -74,8 +74,7 @@ def _model_problem(out, n: int) -> Optional[str]:
         return f"the model's outputs ({', '.join(out)}) have no 'logit_scale'"
 
     for key, value in out.items():
-        if key not in LOGIT_KEYS and not (isinstance(value, torch.Tensor) and value.dim() >= 1
-                                          and value.shape[0] == n):
+        if key not in LOGIT_KEYS and not (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == n):
             return f"model output {key!r} is {describe_value(value)}, not a tensor with the batch ({n}) first"
     return None
 

@@ -66,8 +66,7 @@ def _is_console(handler) -> bool:
 
 def _log_unfiltered(message: str) -> None:
     """Hand one INFO record to every root handler but the console (upstream's out.log), whatever the levels:
-    a run's provenance must not depend on them (the console had each line on stderr already).
-    """
+    a run's provenance must not depend on them (the console had each line on stderr already)."""
 
     if process_rank() != 0:
         return
@@ -78,9 +77,8 @@ def _log_unfiltered(message: str) -> None:
 
 
 def _checked(args, mode: str, lines: list, use: preflight.StepUse) -> None:
-    """The self-check of this run (every rank), its lines kept for out.log and said on stderr by rank 0.
-
-    A run whose loop never calls the step is not audited: its record says so, and why."""
+    """The self-check of this run (every rank), its lines kept for out.log and said on stderr by rank 0; a run whose
+    loop never calls the step is not audited (its record says why)."""
     lines.extend(check_run(args, mode) if use.used else record_unused(args, use.why))
     if process_rank() == 0:
         print("\n".join(f"naflex-accum: {text}" for text in lines[1:]), file=sys.stderr, flush=True)
@@ -88,12 +86,8 @@ def _checked(args, mode: str, lines: list, use: preflight.StepUse) -> None:
 
 @contextlib.contextmanager
 def _recorded_in_run_folder(module, mode: str, line: str, use: preflight.StepUse, watch: StartWatch):
-    """While upstream's ``main`` runs, check the run before it trains and make its run folder record the fix.
-
-    Wraps upstream's ``parse_args`` (adds ``args.naflex_accum``), ``init_distributed_device`` (the self-check once
-    the ranks can agree; right after parsing where it is missing; ``watch`` marks the start) and ``setup_logging``
-    (the record into out.log), each looked up by ``main`` at call time; each is put back while still ours.
-    """
+    """While upstream's ``main`` runs, check the run before it trains and make its run folder record the fix:
+    wraps ``parse_args``, ``init_distributed_device`` (the self-check) and ``setup_logging``, each put back after."""
     lines = [f"naflex-accum {__version__}: {line}"]
     check_in_parse = not callable(getattr(module, "init_distributed_device", None))
 
@@ -124,8 +118,7 @@ def _recorded_in_run_folder(module, mode: str, line: str, use: preflight.StepUse
         return setup_logging_recorded
 
     swapped = {}
-    for name, wrap in (("parse_args", recorded_args), ("init_distributed_device", checked),
-                       ("setup_logging", logged)):
+    for name, wrap in (("parse_args", recorded_args), ("init_distributed_device", checked), ("setup_logging", logged)):
         original = getattr(module, name, None)
         if callable(original):
             swapped[name] = (original, wrap(original))
@@ -150,9 +143,8 @@ def _check_patchable() -> None:
 
 
 def _preflight(module, argv: Sequence[str], prog: str):
-    """Upstream's parsed ARGS checked before its ``main`` starts: None after ``--help``, else the step's use.
-
-    An upstream ``main`` module without ``parse_args`` gets ARGS unchecked (its ``--help`` included)."""
+    """Upstream's parsed ARGS checked before its ``main`` starts: None after ``--help``, else the step's use (a
+    ``main`` module without ``parse_args``: unchecked)."""
     parse_args = getattr(module, "parse_args", None)
     if not callable(parse_args):
         return preflight.StepUse(True, "upstream's arguments not read")

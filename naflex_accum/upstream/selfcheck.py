@@ -155,10 +155,7 @@ def record_unused(args, why: str) -> List[str]:
 
 
 def check_run(args, mode: str) -> List[str]:
-    """Check this run (unless skipped), record it on ``args`` (params.txt), return the lines for out.log.
-
-    Raises ``SelfCheckFailed`` on every rank when any rank's audit failed.
-    """
+    """Check this run, record it on ``args``, return out.log's lines; ``SelfCheckFailed`` on every rank if any fails."""
     original = original_step()
     _record_upstream(args)
     loss_scale = getattr(args, "naflex_loss_scale", None) or "none"

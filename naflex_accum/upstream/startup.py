@@ -172,8 +172,7 @@ class StartWatch:
             logging.getLogger().removeHandler(handler)
         made = getattr(self.args, "rank", 0) == 0  # upstream's rank 0 writes params.txt and makes the folders
         gone = _removed([h.baseFilename for h in opened] + ([os.path.join(folder, "params.txt")] if made else []))
-        _removed([os.path.join(folder, name) for name in ("checkpoints", "tensorboard") if made] + [folder],
-                 rmdir=True)
+        _removed([os.path.join(folder, name) for name in ("checkpoints", "tensorboard") if made] + [folder], rmdir=True)
         return gone
 
     def failed(self, exc: BaseException) -> Optional[str]:

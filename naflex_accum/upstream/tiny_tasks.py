@@ -111,11 +111,8 @@ def model_config(loss: str, stochastic: bool = False, vocab_size: int = TOKENIZE
 
 def write_model_dir(folder: str, loss: str, stochastic: bool = False,
                     vocab_size: int = TOKENIZER_VOCAB_SIZE, weights: bool = False) -> str:
-    """Write ``folder/open_clip_config.json`` for ``loss``; return the ``local-dir:`` model name.
-
-    Upstream's trainer picks its CoCa task when the name contains "coca"; ``weights`` saves the seeded model's,
-    which a CoCa run needs (``models.fill_decoder_projection``).
-    """
+    """Write ``folder/open_clip_config.json`` for ``loss``; the ``local-dir:`` model name (upstream picks its CoCa
+    task when it contains "coca"). ``weights`` saves the seeded model's (a CoCa run needs them)."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "open_clip_config.json"), "w") as f:
         json.dump({"model_cfg": model_config(loss, stochastic, vocab_size)}, f)

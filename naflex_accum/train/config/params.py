@@ -1,16 +1,9 @@
 """Command-line flags of ``naflex-accum train``, with open_clip's names, plus ``--config`` presets.
 
-Invariants: the parsed namespace is complete and valid before anything is
-created: every bad value is a ``UsageError`` naming the flag and what is valid;
-a YAML preset only supplies defaults (flags on the command line win), and each
-of its values goes through its flag's own parsing (type, choices, number of
-values), so a preset cannot set what the command line would refuse; open_clip's
-precision names mean what they mean upstream or are refused. Sequence lengths
-are each given once and kept in ascending order (with their weights), so one set
-of lengths is one run whatever order it was typed in; ``--resume latest`` names
-its run folder (``--name``). ``--help`` shows every flag's default once
-(``helptext``). ``data_config`` is the one mapping of the flags to a
-``DataConfig``; data/ checks those flags (``check_data_config``), each once.
+Invariants: the namespace is complete and valid before anything is created (every bad value a
+``UsageError`` naming the flag); a preset only supplies defaults, each through its flag's own parsing;
+sequence lengths are kept ascending with their weights, so one set is one run whatever the typed order;
+``data_config`` is the one mapping of the flags to a ``DataConfig``. docs/training.md, "Every flag and its default".
 """
 import argparse
 import math
@@ -87,8 +80,8 @@ def _add_data_args(d) -> None:
                         "of --naflex-batch-divisor")
     d.add_argument("--naflex-batch-divisor", type=int, default=8, help="microbatch sizes are multiples of this")
     d.add_argument("--naflex-patch-sizes", type=int, nargs="+", default=[16],
-                   help="patch sizes; with more than one, each batch gets one (the patch embedding resampled); one size: the "
-                        "model's own")
+                   help="patch sizes; with more than one, each batch gets one (the patch embedding resampled); "
+                        "one size: the model's own")
 
 
 def _add_model_args(m) -> None:
@@ -133,8 +126,8 @@ def _add_run_args(r) -> None:
     r.add_argument("--name", default=None,
                    help="run folder name (default: date, model, lr, batch size, workers, precision)")
     r.add_argument("--resume", default=None,
-                   help="checkpoint path, or 'latest' in logs/NAME/checkpoints (with --name) (default: none: a new "
-                        "run)")
+                   help="checkpoint path, or 'latest' in logs/NAME/checkpoints (with --name) (default: none: a "
+                        "new run)")
     r.add_argument("--save-frequency", type=int, default=1,
                    help="checkpoints/epoch_K.pt every N epochs and after the last (0: never)")
     r.add_argument("--save-most-recent", action="store_true",
@@ -181,7 +174,6 @@ def _resolve_config(path: str) -> Path:
 
 
 def _read_yaml(config_path: Path):
-
     try:
         with open(config_path) as f:
             return yaml.safe_load(f) or {}
@@ -271,7 +263,6 @@ def _infer_siglip(args) -> None:
     """``--siglip`` unset: the loss the model config was made for (SigLIP when it has a logit bias)."""
     if args.siglip is not None:
         return
-
     try:
         args.siglip = load_config(args.model).get("init_logit_bias") is not None
     except ValueError as exc:

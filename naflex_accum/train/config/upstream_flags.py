@@ -1,13 +1,8 @@
 """Every flag of upstream open_clip main's ``open_clip_train/params.py``, and what ``naflex-accum train`` does with it.
 
-Invariant: each upstream flag is in ``FLAGS`` and is either ``works`` (a real
-flag of ``naflex-accum train`` with upstream's meaning), ``limited`` (upstream's
-meaning for the values in ``allowed``, the others refused) or ``refused``
-(registered, so using it exits 2 with its one-line reason instead of
-"unrecognized arguments"; a ``--config`` preset key is refused the same way).
-The flag table in docs/training.md is generated from ``FLAGS`` and a test
-keeps the two equal, and checks ``FLAGS`` against the pinned upstream
-snapshot's parser, so neither can drift.
+Invariant: each upstream flag is in ``FLAGS``, ``works``, ``limited`` (to ``allowed``) or ``refused`` (exit 2
+with its one-line reason, in a ``--config`` preset too). A test keeps docs/training.md's table, which is
+generated from ``FLAGS``, and the pinned upstream snapshot's parser equal to it.
 """
 import argparse
 from typing import Dict, NamedTuple, Tuple
@@ -27,6 +22,12 @@ _CSV = Flag(R, "csv data is not read here: webdataset shards only")
 _REMOTE = Flag(R, "remote sync is not offered: copy logs/NAME yourself (checkpoints are written atomically)")
 _BUCKETS = Flag(R, "captions are padded to the model's context length; there is no length bucketing")
 _NOOP = "accepted; it has no effect on these models, as upstream"
+_JSON = Flag(R, "captions come from the .txt member, not from a .json field")
+_NORM = Flag(R, "patches are normalised with open_clip's CLIP mean and std")
+_DISTILL = Flag(R, "distillation is not supported (upstream does not accumulate it either)")
+_COCA = Flag(R, "CoCa is not trained here: CLIP/SigLIP only")
+_COOLDOWN = Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const")
+_ADAMW = "the optimizer is AdamW (--lr, --beta1, --beta2, --eps, --wd)"
 
 FLAGS: Dict[str, Flag] = {
     # data
@@ -48,8 +49,7 @@ FLAGS: Dict[str, Flag] = {
     "--csv-separator": _CSV, "--csv-img-key": _CSV, "--csv-caption-key": _CSV,
     "--image-key": Flag(L, "the image is the first of .jpg/.png/.jpeg/.webp in a sample", ("jpg;png;jpeg;webp",)),
     "--text-key": Flag(L, "the caption is the sample's .txt member", ("txt",)),
-    "--json-text-key": Flag(R, "captions come from the .txt member, not from a .json field"),
-    "--json-text-key-probs": Flag(R, "captions come from the .txt member, not from a .json field"),
+    "--json-text-key": _JSON, "--json-text-key-probs": _JSON,
     "--max-image-pixels": Flag(R, "not configurable: images are opened lazily and decoded at the batch's size"),
     "--imagenet-val": Flag(W, "an ImageNet val folder (class subfolders, ImageFolder order)"),
     "--imagenet-v2": Flag(W, "an ImageNetV2 folder (subfolders 0..999); nothing is downloaded"),
@@ -95,16 +95,13 @@ FLAGS: Dict[str, Flag] = {
     "--force-custom-text": Flag(R, "the text tower is open_clip's native CLIP text tower"),
     "--force-naflex-vision": Flag(W, _NOOP + " (the image tower is always a NaFlexVit)"),
     "--use-naflex": Flag(W, _NOOP + " (NaFlex batching is always on)"),
-    "--image-mean": Flag(R, "patches are normalised with open_clip's CLIP mean and std"),
-    "--image-std": Flag(R, "patches are normalised with open_clip's CLIP mean and std"),
+    "--image-mean": _NORM, "--image-std": _NORM,
     "--image-interpolation": Flag(R, "images are resized bicubic to fit the sequence length"),
     "--image-resize-mode": Flag(R, "NaFlex keeps each image's aspect ratio; no crop or squash"),
     "--aug-cfg": Flag(R, "no augmentation beyond the NaFlex resize"),
     "--use-bnb-linear": Flag(R, "bitsandbytes layers are not supported"),
-    "--distill-model": Flag(R, "distillation is not supported (upstream does not accumulate it either)"),
-    "--distill-pretrained": Flag(R, "distillation is not supported (upstream does not accumulate it either)"),
-    "--coca-caption-loss-weight": Flag(R, "CoCa is not trained here: CLIP/SigLIP only"),
-    "--coca-contrastive-loss-weight": Flag(R, "CoCa is not trained here: CLIP/SigLIP only"),
+    "--distill-model": _DISTILL, "--distill-pretrained": _DISTILL,
+    "--coca-caption-loss-weight": _COCA, "--coca-contrastive-loss-weight": _COCA,
     "--siglip": Flag(W), "--local-loss": Flag(W), "--gather-with-grad": Flag(W),
     "--loss-dist-impl": Flag(R, "each loss uses open_clip 3.3.0's default distributed implementation"),
     # optimisation
@@ -116,13 +113,10 @@ FLAGS: Dict[str, Flag] = {
                            "bf16, fp16, pure_bf16, pure_fp16 cast the weights themselves and are refused with "
                            "that reason"),
     "--lr-scheduler": Flag(W, "cosine or const"),
-    "--epochs-cooldown": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
-    "--lr-cooldown-end": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
-    "--lr-cooldown-power": Flag(R, "the const-cooldown schedule is not offered: --lr-scheduler cosine or const"),
+    "--epochs-cooldown": _COOLDOWN, "--lr-cooldown-end": _COOLDOWN, "--lr-cooldown-power": _COOLDOWN,
     "--skip-scheduler": Flag(R, "use --lr-scheduler const --warmup 0 (a constant --lr)"),
     "--momentum": Flag(R, "for timm optimizers; the optimizer is AdamW"),
-    "--opt": Flag(L, "the optimizer is AdamW (--lr, --beta1, --beta2, --eps, --wd)", ("adamw",)),
-    "--opt-kwargs": Flag(R, "the optimizer is AdamW (--lr, --beta1, --beta2, --eps, --wd)"),
+    "--opt": Flag(L, _ADAMW, ("adamw",)), "--opt-kwargs": Flag(R, _ADAMW),
     "--opt-fallback-list": Flag(R, "Muon-family optimizers are not offered; the optimizer is AdamW"),
     "--text-layer-decay": Flag(R, "layer-wise LR decay is not offered; --lock-text-unlocked-layers freezes instead"),
     "--image-layer-decay": Flag(R, "layer-wise LR decay is not offered; --lock-image-unlocked-groups freezes instead"),
@@ -186,11 +180,8 @@ class _Limited(argparse.Action):
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    """Add every refused or limited upstream flag the parser lacks (hidden from --help; see docs/training.md).
-
-    Refused flags take any number of values so that the reason, not argparse's
-    arity error, is what the user sees.
-    """
+    """Add every refused or limited upstream flag the parser lacks (hidden from --help); a refused one takes any
+    number of values, so that its reason, not argparse's arity error, is what the user sees."""
     known = set(parser._option_string_actions)
     for option, flag in FLAGS.items():
         if option in known or flag.status == W:
@@ -198,16 +189,12 @@ def register(parser: argparse.ArgumentParser) -> None:
         if flag.status == L:
             parser.add_argument(option, action=_Limited, default=flag.allowed[0], help=argparse.SUPPRESS)
         else:
-            parser.add_argument(option, action=_Refuse, nargs="*", default=argparse.SUPPRESS,
-                                help=argparse.SUPPRESS)
+            parser.add_argument(option, action=_Refuse, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def check_namespace(args: argparse.Namespace) -> None:
-    """Refuse a refused flag, or a limited one's other value, that came from a ``--config`` preset.
-
-    argparse calls no action for a preset's value, so this looks at the namespace:
-    a refused flag is there only when a preset set it (its default is suppressed).
-    """
+    """Refuse a refused flag, or a limited one's other value, from a ``--config`` preset: argparse calls no
+    action for a preset's value, and a refused flag is in the namespace only when a preset set it."""
     for option, flag in FLAGS.items():
         dest = option[2:].replace("-", "_")
         if flag.status == W or not hasattr(args, dest):

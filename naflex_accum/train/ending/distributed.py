@@ -1,12 +1,9 @@
 """Process-group set-up from torchrun's or SLURM's environment, with open_clip's precedence.
 
-Invariants: every rank agrees on (rank, world_size) before any model or data is
-made; a half-set environment (a RANK without a WORLD_SIZE, say) is an error,
-not a silent single-process run; collectives here are no-ops in one process.
-Several processes open the job's store where env:// would (torchrun's agent
-serves it, or else rank 0) and are heard through it (``liveness``). A collective
-waits at most torch's timeout of the phase: ``LONG_TIMEOUT`` until the first
-optimizer step has ended and while rank 0 works alone, --dist-timeout otherwise.
+Invariants: every rank agrees on (rank, world_size) before anything is made; a half-set environment is an
+error, not a silent single-process run; collectives here are no-ops in one process. Ranks are heard through
+the job's store (``liveness``); a collective waits ``LONG_TIMEOUT`` until the first optimizer step has ended
+and while rank 0 works alone, --dist-timeout otherwise. docs/distributed.md.
 """
 import os
 import re
@@ -25,14 +22,12 @@ from .liveness import Liveness
 DEFAULT_TIMEOUT = 600.0  # --dist-timeout's default (docs/distributed.md says why)
 LONG_TIMEOUT = 7200.0  # start-up to the first step's end, and rank 0's solo phases (or --dist-timeout, if longer)
 
-# NCCL: a collective that times out ends the process (its CUDA work cannot go on), and the flight recorder
-# dumps every rank's last collectives (to TORCH_FR_DUMP_TEMP_FILE, default /tmp/nccl_trace_rank_N). Each is
-# set unless the user set it (under either of its names).
+# NCCL: a timed-out collective ends the process, and the flight recorder dumps every rank's last collectives;
+# each is set unless the user set it (under either of its names).
 NCCL_DEFAULTS = {("TORCH_NCCL_ASYNC_ERROR_HANDLING",): "3", ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
                  ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000"}
 
-# The first variable found wins, as open_clip's world_info_from_env; not that function itself, because it
-# turns a half-set environment into a silent single-process run, which is refused here.
+# The first variable found wins, as open_clip's world_info_from_env (which takes a half-set environment for one process)
 
 
 @dataclass
@@ -169,11 +164,8 @@ def slurm_master_port(job_id: str) -> int:
 
 
 def resolve_device(device_arg, world) -> torch.device:
-    """The device this rank trains on: ``--device`` (cpu, cuda, cuda:N), else a GPU if there is one.
-
-    A device that is not there is a ``UsageError`` naming ``--device`` and what there is, before any
-    CUDA call that would fail deep inside torch.
-    """
+    """``--device`` (cpu, cuda, cuda:N), else a GPU if there is one; one that is not there is a ``UsageError``
+    naming what there is, before a CUDA call would fail deep inside torch."""
     if not device_arg:
         device_arg = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -214,9 +206,7 @@ def _master_address(env) -> tuple:
 
 
 def _open_store(world: World, address: tuple, timeout: timedelta):
-    """The job's store, where env:// has it (torch.distributed.rendezvous): under torchrun's agent
-    (TORCHELASTIC_USE_AGENT_STORE=True) every rank is a client of the agent's store at MASTER_ADDR:MASTER_PORT;
-    otherwise rank 0 serves it there."""
+    """The job's store where env:// has it: torchrun's agent's at MASTER_ADDR:MASTER_PORT, else rank 0's."""
     host, port = address
     serves = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
     try:
@@ -229,9 +219,8 @@ def _open_store(world: World, address: tuple, timeout: timedelta):
 
 def connect(env=None, timeout: float = DEFAULT_TIMEOUT, prog: str = "naflex-accum train",
             ends_process: bool = False) -> World:
-    """This process's ``World``; in a run of several processes the job's store is open and this rank is heard
-    (``World.peers``) from here on, before any other step of the set-up can fail. ``ends_process``: this
-    process ends with the run (``preempt.StopRequest``)."""
+    """This process's ``World``; with several processes this rank is heard (``World.peers``) from here on,
+    before any other step of the set-up can fail. ``ends_process``: see ``preempt.StopRequest``."""
     env = os.environ if env is None else env
     world = world_from_env(env)
     if world.distributed:
@@ -242,8 +231,7 @@ def connect(env=None, timeout: float = DEFAULT_TIMEOUT, prog: str = "naflex-accu
 
 
 def init_distributed(device_arg=None, env=None, world: Optional[World] = None) -> tuple:
-    """``(World, torch.device)``; initialises the process group (on ``world``'s store) when there is more than
-    one rank."""
+    """``(World, torch.device)``; the process group on ``world``'s store when there are several ranks."""
     world = connect(env) if world is None else world
     device = resolve_device(device_arg, world)
     if device.type == "cuda":
@@ -252,9 +240,8 @@ def init_distributed(device_arg=None, env=None, world: Optional[World] = None) -
         for names, value in NCCL_DEFAULTS.items() if device.type == "cuda" else ():  # as torchtitan
             if not any(name in os.environ for name in names):
                 os.environ[names[0]] = value
-        # What the job's script reads if this process ends without a word: killed, or torn down by NCCL's
-        # watchdog (a collective past --dist-timeout under TORCH_NCCL_ASYNC_ERROR_HANDLING=3), a rank lost as
-        # much as one the others name: requeue. The class the process ends with replaces it.
+        # What the job's script reads if this process ends without a word (killed, or NCCL's watchdog after
+        # --dist-timeout): requeue. The class the process ends with replaces it.
         record_exit(EXIT_LOADER, f"rank {world.rank} ended without a word: killed, or ended by NCCL's watchdog "
                                  "after --dist-timeout (its output says which)")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

@@ -1,11 +1,8 @@
 """How ``naflex-accum train`` ends: its exit statuses, and which failures are the transient class.
 
-Invariant: every way a run ends maps to one status (``EXIT_CODES``, docs/long-runs.md), the same on every rank
-(``liveness``), so a cluster script can act on it: 0 finished, 2 a setting to fix, 3 non-finite, 74 a transient
-failure another attempt may not meet (requeue it), 75 stopped on request after saving, 130 interrupted by
-Ctrl-C (``interrupt``). ``transient(exc)`` is the one place that says what counts as 74: a loader worker's
-failure, a ``TransientError`` (a shard the OS cannot read, no batch within ``--data-timeout``, a source that
-would not count), the run folder's storage gone (not full or read-only: those are settings to fix, 2).
+Invariant: every way a run ends maps to one status (``EXIT_CODES``), the same on every rank, so a cluster
+script can act on it; ``transient(exc)`` is the one place that says what counts as 74 (requeue it).
+docs/long-runs.md, "Exit codes".
 """
 from typing import Optional
 

@@ -335,8 +335,7 @@ class Liveness:
 
 
 def end_process(code: int, flushers=()) -> None:
-    """Exit now, from the listener (the main thread is blocked or busy): what the run logged is flushed
-    (``flushers``: tensorboard's events), and no loader worker is left behind."""
+    """Exit now, from the listener (the main thread is blocked or busy): logs flushed, no loader worker left."""
     for child in multiprocessing.active_children():
         child.kill()
     for flush in [*flushers, *(h.flush for h in logging.getLogger(LOGGER_NAME).handlers), sys.stdout.flush,

@@ -1,26 +1,10 @@
 """Stop requests: SIGTERM, SIGUSR1 or a ``STOP`` file mean "finish this optimizer step, save, exit".
 
-Invariants: a request is honoured only at an optimizer-step boundary (any step,
-the last of an epoch included) and only through the loop's check, which every
-rank takes at the same step, so all ranks leave after the same step and the
-checkpoint describes one consistent state; the process then exits with
-``EXIT_STOPPED``. Requests are SIGTERM (SLURM's preemption, ``scancel`` and
-time limit; Kubernetes' eviction), SIGUSR1 (``sbatch --signal``), or a ``STOP``
-file in the run folder (what launch/slurm.sbatch writes, since torchrun does not
-forward SIGUSR1 to its workers). A request made at any moment after the launch
-stands: at the start only a ``STOP`` file older than the launch is removed,
-the launch being the earliest of this process's start and
-``$NAFLEX_ACCUM_LAUNCHED`` (epoch seconds, which the launchers set before
-they start the job's processes), so a ``STOP`` written while the trainer
-starts up stops it after its first step; a ``STOP`` served (the run saved and
-stops) is removed, so the next start never meets it. The data loader's workers ignore both
-signals, so one sent to the whole process group (as SLURM sends it) does not
-kill a worker under the trainer; the previous handlers come back when the run
-ends, except in a process that ends with the run (``ends_process``, which only the
-entry points pass): there a signal after the run has saved is ignored, so a
-scheduler's SIGTERM landing during teardown cannot turn a finished, saved run
-into a killed one. ``Signals`` lets another thread (``liveness``'s listener) see them while the main
-thread is blocked.
+Invariants: a request is honoured only at an optimizer-step boundary, through the loop's check that every
+rank takes at the same step, then exit ``EXIT_STOPPED``. At the start only a ``STOP`` older than the launch
+is removed, and a served one is removed. Loader workers ignore both signals (SLURM signals the whole group).
+In a process that ends with the run (``ends_process``), a signal after the run has saved is ignored, so a
+teardown SIGTERM cannot turn a saved run into a killed one. docs/long-runs.md, "Stop requests".
 """
 import contextlib
 import logging
@@ -35,8 +19,7 @@ from typing import List
 EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped on request after saving; run it again to continue
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHED_ENV = "NAFLEX_ACCUM_LAUNCHED"
-# A STOP file this much older than the launch still counts: the launcher's, this node's and the file server's
-# clocks differ a little, and the seconds of $NAFLEX_ACCUM_LAUNCHED are whole. A requeued job starts far later.
+# A STOP file this much older than the launch still counts (clocks differ a little; the launch's seconds are whole)
 CLOCK_SKEW = 2.0
 _IMPORTED = time.time()  # an upper bound on this process's start
 log = logging.getLogger(__name__)
@@ -89,8 +72,7 @@ class StopRequest:
         self.signalled = self.signalled or signal.Signals(signum).name
 
     def clear(self) -> None:
-        """Forget a STOP file from before this (re)start's launch, so a requeued job does not stop at once;
-        one written since stands."""
+        """Forget a STOP file older than this (re)start's launch (a requeue must not stop at once); a newer stands."""
         if not self.world.is_master:
             return
         try:

@@ -1,11 +1,7 @@
 """Held-out retrieval: image-to-text and text-to-image recall@1/5 and the contrastive loss.
 
-Invariant: evaluation runs in eval mode under no_grad on the unwrapped model
-(no DDP hooks, no collectives), eager even when ``--torchcompile`` compiled the
-model in place (no graphs for eval mode's shapes), sees every held-out sample once, and leaves
-the model in train mode afterwards. Its metrics are open_clip's, keys and order
-(``get_clip_metrics``'s, ``clip_val_loss``, then the integers ``epoch`` and
-``num_samples``), as ``results.jsonl`` records them.
+Invariant: eval mode under no_grad on the unwrapped model (no DDP hooks, no collectives, eager even when
+compiled), every held-out sample once, train mode after; open_clip's metric keys and order.
 """
 from typing import Dict
 

@@ -1,20 +1,8 @@
 """Zero-shot classification during training, as open_clip's ``zero_shot_eval``, on local labelled images.
 
-Invariants: an evaluation sees every labelled image of its set once, in eval
-mode under no_grad on the unwrapped model, and leaves the model in train mode;
-the class embeddings are open_clip's (``build_zero_shot_classifier``: the mean
-of the normalised template embeddings), the logits ``100 * image @ classes``
-and top-1/top-5 open_clip's ``accuracy``. Metric names are upstream's
-(``imagenet-zeroshot-val-top1``, ``imagenetv2-zeroshot-val-top5``); a class
-list's set is ``NAME-zeroshot-val-top1``. A sample whose image or label cannot
-be read is skipped and counted in a warning; a set with no usable sample is an
-error.
-
-Labelled images (``data.labelled``) come from webdataset shards
-(``--zeroshot-data``, each sample's label a ``.cls`` class index or, with
-``json_label`` in the class list, a class name formatted from its ``.json``
-fields) or from an ImageNet folder (``--imagenet-val``: class subfolders in
-sorted order; ``--imagenet-v2``: subfolders named by class index).
+Invariants: every labelled image once, eval mode under no_grad on the unwrapped model, train mode after;
+open_clip's class embeddings, logits, top-1/top-5 and metric names. An unreadable sample is skipped and
+counted in a warning; a set with no usable sample is an error. docs/training.md, "Zero-shot classification".
 """
 import logging
 from pathlib import Path
@@ -58,7 +46,6 @@ def add_args(parser) -> None:
                    help="ImageNetV2 folder (subfolders 0..999) for zero-shot")
 
 
-# ---- class lists ----------------------------------------------------------------------------------------------
 
 class ClassList(NamedTuple):
     name: str
@@ -113,13 +100,9 @@ def load_class_list(spec: str) -> ClassList:
     return ClassList(name, classnames, templates, json_label)
 
 
-# ---- evaluation -----------------------------------------------------------------------------------------------
 
 def accuracy(logits: torch.Tensor, target: torch.Tensor, topk=(1,)) -> List[float]:
-    """Correct predictions among the top k, for each k: open_clip's ``accuracy``.
-
-    open_clip_train 3.3.0's own copy fails under numpy 2 (``float`` of a one-element array), so it is not reused.
-    """
+    """Correct predictions among the top k, for each k: open_clip's ``accuracy`` (3.3.0's fails under numpy 2)."""
     pred = logits.topk(max(topk), 1, True, True)[1].t()
     correct = pred.eq(target.view(1, -1).expand_as(pred))
     return [correct[:k].reshape(-1).float().sum().item() for k in topk]

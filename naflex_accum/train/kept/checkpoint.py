@@ -1,23 +1,10 @@
 """Checkpoint files: atomic writes, safe and verified reads, the newest loadable one, retention.
 
-Invariants: a file under a checkpoint name is complete (written to a hidden
-temporary file in the same folder, flushed to disk, then ``os.replace``d; a
-failed or interrupted write removes its temporary file, and a failed one says
-which path and which OS error); a torch file's bytes that differ from the
-CRC-32s its zip recorded (the pickle's on every read, every member's on every
-full read) are named as damage, never as a refused or foreign file, nor read as
-other numbers; the ``checksum`` entry older versions wrote (a second CRC-32
-pass) is dropped on reading, not taken as state; reading never runs code from the file
-(``torch.load(weights_only=True)`` with the allow-list below) and a file that is
-neither a torch checkpoint nor safetensors is named as such; ``--resume latest``
-takes the checkpoint furthest into the run, at the top level of ``checkpoints/``
-(the current branch, ``lineage``), that loads completely, skipping the others
-with a warning;
-retention never deletes the file just written, and a file it cannot delete is a
-warning, not the end of the run. Names:
-``epoch_K.pt`` (end of epoch K, open_clip's), ``epoch_latest.pt`` (open_clip's
-``--save-most-recent``, and a stop request inside an epoch), ``step_G.pt``
-(``--save-every-n-steps``, after optimizer step G).
+Invariants: a file under a checkpoint name is complete (temporary file, fsync, ``os.replace``); bytes that
+differ from the zip's CRC-32s are named as damage; reading never runs code from the file; ``--resume latest``
+takes the top-level checkpoint furthest into the run that loads completely; retention never deletes the file
+just written. Names: ``epoch_K.pt``, ``epoch_latest.pt``, ``step_G.pt``. docs/long-runs.md,
+"What is saved when" and "Reading checkpoints safely".
 """
 import importlib.util
 import logging
@@ -42,9 +29,7 @@ EPOCH_RE = re.compile(r"^epoch_(\d+)\.pt$")
 STEP_RE = re.compile(r"^step_(\d+)\.pt$")
 MOST_RECENT = "epoch_latest.pt"
 TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")
-# What a payload may hold beyond what torch.load(weights_only=True) accepts by default (tensors, numbers,
-# strings, None, and lists, tuples and dicts of them). Ours needs nothing more: model, optimizer and scaler
-# state dicts, counters, the schedule settings and each rank's random state (uint8 tensors).
+# What a payload may hold beyond torch.load(weights_only=True)'s defaults; ours needs nothing more.
 ALLOWED_GLOBALS: tuple = ()
 REQUIRED_KEYS = ("epoch", "state_dict", "optimizer")
 ZIP_START = b"PK\x03\x04"  # torch.save's format since torch 1.6
@@ -53,10 +38,7 @@ OLD_CHECKSUM = "checksum"  # a second CRC-32 pass over the payload that older ve
 
 
 class _Writer:
-    """A file for ``torch.save`` that writes every byte or keeps the OS error.
-
-    torch's zip writer reports a failed write as ``unexpected pos``; the kept error says what happened.
-    """
+    """A file for ``torch.save`` that writes every byte or keeps the OS error (torch says ``unexpected pos``)."""
 
     def __init__(self, fd: int):
         self.fd, self.error = fd, None
@@ -159,13 +141,9 @@ def _provided(name: str) -> bool:
 
 
 def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
-    """A checkpoint (or ``.safetensors``) file as a dict, read without running code from it.
-
-    Every problem is a one-line ``UsageError`` naming ``flag`` and the file: missing, truncated or
-    not a checkpoint, damaged (bytes that differ from its zip's CRC-32s: the pickle's, and every
-    tensor's unless ``mmap``, which reads the structure only), or needing more than ``ALLOWED_GLOBALS``
-    (an arbitrary pickled object).
-    """
+    """A checkpoint (or ``.safetensors``) file as a dict, read without running code from it; every problem
+    (missing, not a checkpoint, damaged: the pickle's CRC-32 and, unless ``mmap``, every tensor's; code it
+    would run) is a one-line ``UsageError`` naming ``flag`` and the file."""
     path = Path(path)
     if not path.is_file():
         what = "no such file" if not os.path.lexists(path) else \
@@ -329,10 +307,8 @@ def remove_stale_temps(folder: Path) -> List[Path]:
 
 
 def prune_step_checkpoints(folder: Path, keep_last: int, written: Path, warned: Set[Path]) -> List[Path]:
-    """Delete the ``step_G.pt`` files but ``written`` (just saved) and the ``keep_last - 1`` newest others.
-
-    A file that cannot be deleted stays, with one warning per run (``warned``); the deleted ones are returned.
-    """
+    """Delete the ``step_G.pt`` files but ``written`` and the ``keep_last - 1`` newest others; the deleted ones.
+    One that cannot be deleted stays, with one warning per run (``warned``)."""
     others = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_RE.match(p.name)) and p != written)
     doomed = [p for _, p in others[:max(0, len(others) - max(keep_last - 1, 0))]]
     return [p for p in doomed if remove_file(p, f"--keep-last {keep_last}", warned)]

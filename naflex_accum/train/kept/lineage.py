@@ -1,20 +1,9 @@
 """Branches of a run: resuming an earlier checkpoint of a run folder moves the later ones aside, never deletes them.
 
-Invariant: the top level of ``checkpoints/`` holds one line of the run, the one
-being trained, so ``--resume latest``, retention and the run's own saves never
-meet a checkpoint further into the run than where it was resumed. A resume
-from a checkpoint (``--resume PATH``) that is not the furthest one of the
-folder starts a branch: every checkpoint of the folder further into the run
-(``checkpoint.position``: global step, epoch, step in epoch) is renamed into a
-new ``checkpoints/abandoned-N/`` (N one past the highest there; nothing is
-overwritten), where ``--resume PATH`` reaches it again. A ``PATH`` outside the
-folder's top level (an ``abandoned-N/``, another run) belongs to another line:
-every checkpoint of the top level is moved aside, and ``PATH`` is linked in
-(hard link, else an atomic copy) under its position's name (``epoch_K.pt``,
-``step_G.pt``), so ``--resume latest`` continues the branch even before its
-first save. Otherwise a file whose position cannot be read stays where it is
-(``--resume latest`` skips it too). Rank 0 does this once every check of the
-start has passed (``rundir``).
+Invariant: the top level of ``checkpoints/`` holds one line of the run, the one being trained, so
+``--resume latest``, retention and the run's saves never meet a checkpoint further into the run than where
+it was resumed; the others go to a new ``abandoned-N/`` (nothing overwritten). docs/long-runs.md,
+"Going back: branches".
 """
 import logging
 import os
@@ -118,10 +107,8 @@ def _move(doomed: List[Path], folder: Path) -> Path:
 
 
 def start_branch(folder: Path, resumed: Path, where: Tuple[int, int, int]) -> Branch:
-    """Make the top level of ``folder`` (a run's ``checkpoints/``) the line that goes on from ``resumed``, whose
-    position is ``where``: the checkpoints further than it go to a new ``abandoned-N/``; a ``resumed`` from
-    elsewhere is linked in, and then every checkpoint of the top level goes (it is another line's, whose step
-    checkpoints the new line's retention would otherwise delete)."""
+    """Make ``folder``'s top level the line going on from ``resumed`` (at ``where``): the checkpoints further go
+    to a new ``abandoned-N/``; a ``resumed`` from elsewhere is linked in and every top-level one goes."""
     present = checkpoint_files(folder)
     outside = not any(_same_file(path, resumed) for path in present)
     branch = Branch(moved=sorted(present) if outside else further_than(folder, where, resumed))

@@ -1,20 +1,9 @@
 """Training state to a checkpoint payload and back, with the checks that make a resume exact or refused.
 
-Invariants: a payload holds everything the rest of the run depends on: model,
-optimizer and scaler state, counters, the steps per epoch the learning-rate
-schedule was laid out with, the patch sizes the model was trained with
-(``naflex_patch_sizes``: which tower ``export`` builds; a payload without them,
-an older one, loads the same), and, inside an epoch, the position in it (the
-segment, ``data.order``, and the samples and tokens consumed), every rank's
-random state and the settings that decide which batches the epoch yields
-(``SCHEDULE_FLAGS``). The world size and ``--workers`` may differ on resume: at
-the saved world size the epoch goes on exactly as uninterrupted; at another one
-it goes on in the same global sample order (no sample twice, none skipped), with
-fresh random streams. A resume that would not continue the same run (a
-checkpoint that does not fit the model, an epoch resumed under other schedule
-settings, a world size that does not divide the saved ``--data-slots``) is a
-one-line ``UsageError`` naming the first differences, raised before the run
-folder is touched.
+Invariants: a payload holds everything the rest of the run depends on (state, counters, the epoch's position,
+every rank's random state, ``SCHEDULE_FLAGS``); at the saved world size an epoch goes on exactly, at another
+in the same global sample order; a resume that would not continue the same run is a one-line ``UsageError``
+before the run folder is touched. docs/long-runs.md, "Resuming" and "Elastic resume".
 """
 import logging
 from typing import Optional
@@ -30,12 +19,10 @@ from ..model.finetune import mismatch
 
 log = logging.getLogger(__name__)
 
-# The flags that decide the batches of an epoch, and so which batch a saved step continues at.
-# Neither the world size nor --workers is among them: the epoch's sample order depends on neither (data.order).
+# The flags that decide an epoch's batches (not the world size nor --workers: the sample order depends on neither)
 SCHEDULE_FLAGS = ("accum_freq", "naflex_max_tokens_per_batch", "naflex_seq_lens", "naflex_seq_len_probs",
-                  "naflex_patch_sizes", "naflex_batch_divisor", "train_num_samples",
-                  "naflex_num_train_image_tokens", "seed", "dataset_resampled",
-                  "train_data_upsampling_factors", "sample_shuffle_size")
+                  "naflex_patch_sizes", "naflex_batch_divisor", "train_num_samples", "naflex_num_train_image_tokens",
+                  "seed", "dataset_resampled", "train_data_upsampling_factors", "sample_shuffle_size")
 # The sample order a mid-epoch payload's position refers to (data.slots); a payload of another one cannot go on.
 ORDER = 2
 

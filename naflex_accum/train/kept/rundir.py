@@ -1,21 +1,10 @@
 """The run folder, open_clip's layout: ``logs/NAME/{out.log, params.txt, tensorboard/, checkpoints/}``,
 ``checkpoints/results.jsonl`` included.
 
-Invariants: one live process (rank 0 of one run) holds a folder at a time,
-through an exclusive POSIX lock (``fcntl.lockf``) on ``logs/NAME/.lock`` that
-the kernel drops when the process dies, so a second run with the same name
-exits 2 and a run killed with -9 leaves nothing that blocks its restart (a
-POSIX lock, unlike ``flock``, is not shared with the data-loader workers the
-process forks, and works over NFS); an existing folder is
-never reused without ``--resume``; rank 0 alone decides (name, checkpoint to
-resume, folder errors) and every rank acts on its decision; the folder is
-created (or, resumed, changed: a new branch, ``lineage``) only after every
-setting has been checked; a start refused (``UsageError``) before it trained a
-step or saved a checkpoint leaves no folder it created behind, so the same
-``--name`` starts again, while a folder it resumed, or one holding a trained
-step's log, keeps everything; ``params.txt`` and each resume's
-``params-resume-*.txt`` are never overwritten; ``--resume latest`` never starts
-afresh a run whose checkpoints are all abandoned (``lineage``).
+Invariants: one live process holds a folder, through a POSIX ``lockf`` on ``logs/NAME/.lock`` (dropped when
+the process dies; unlike ``flock`` not shared with forked loader workers; works over NFS); rank 0 alone
+decides and every rank acts on it; the folder is created or changed only after every setting is checked, and
+a refused start leaves no folder it created; nothing a user has is overwritten. docs/long-runs.md, "Resuming".
 """
 import errno
 import fcntl
@@ -41,44 +30,17 @@ log = logging.getLogger(__name__)
 class RunPaths:
     root: Path
 
-    @property
-    def log_file(self) -> Path:
-        return self.root / "out.log"
-
-    @property
-    def params_file(self) -> Path:
-        return self.root / "params.txt"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / "tensorboard"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def results(self) -> Path:
-        """Every evaluation's metrics, one JSON line each, appended (open_clip keeps it beside the checkpoints)."""
-        return self.checkpoints / "results.jsonl"
+    def __post_init__(self):
+        self.log_file, self.params_file, self.tensorboard, self.checkpoints, self.stop_file, self.lock_file = (
+            self.root / name for name in ("out.log", "params.txt", "tensorboard", "checkpoints", "STOP", ".lock"))
+        self.results = self.checkpoints / "results.jsonl"  # every evaluation's metrics, appended (open_clip's place)
+        self.most_recent = self.checkpoints / MOST_RECENT
 
     def checkpoint(self, epoch: int) -> Path:
         return self.checkpoints / f"epoch_{epoch}.pt"
 
     def step_checkpoint(self, global_step: int) -> Path:
         return self.checkpoints / f"step_{global_step}.pt"
-
-    @property
-    def most_recent(self) -> Path:
-        return self.checkpoints / MOST_RECENT
-
-    @property
-    def stop_file(self) -> Path:
-        return self.root / "STOP"
-
-    @property
-    def lock_file(self) -> Path:
-        return self.root / ".lock"
 
 
 def on_master(world, fn, *args):
@@ -98,10 +60,8 @@ def on_master(world, fn, *args):
 
 
 class RunLock:
-    """An exclusive lock on the folder's ``.lock``, held until ``release`` or the process's death.
-
-    The process must not open and close ``.lock`` elsewhere: closing any descriptor of the file drops a
-    POSIX lock."""
+    """An exclusive lock on the folder's ``.lock`` until ``release`` or death. Never open and close ``.lock``
+    elsewhere: closing any descriptor of the file drops a POSIX lock."""
 
     def __init__(self, path: Path):
         self.path, self.fd = Path(path), None

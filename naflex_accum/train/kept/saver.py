@@ -1,20 +1,8 @@
 """When the trainer writes which checkpoint, and which ones it keeps.
 
-Invariants: rank 0 writes, every rank takes part (the random states travel to
-rank 0, and a failed write stops every rank with rank 0's one-line error); no
-checkpoint is written from non-finite weights (checked on every rank, which
-hold the same weights, before each write); retention deletes a file only after
-a newer one is complete, never the one just written, and a file it cannot
-delete is one warning (per file and run) while the run goes on; a payload is
-built once however many files get it. What is written when:
-
-- ``step_G.pt`` after every ``--save-every-n-steps`` optimizer steps (the mid-epoch payload), the
-  ``--keep-last`` newest kept;
-- ``epoch_K.pt`` after epoch K when K is a multiple of ``--save-frequency`` and after the last
-  epoch; with ``--delete-previous-checkpoint`` the one ``--save-frequency`` epochs earlier goes;
-- ``epoch_latest.pt`` after every epoch with ``--save-most-recent`` (open_clip's), and on a stop
-  request (the mid-epoch payload); without ``--save-most-recent`` it is removed once a newer
-  checkpoint exists.
+Invariants: rank 0 writes, every rank takes part (a failed write stops every rank with rank 0's line); no
+checkpoint is written from non-finite weights; retention deletes only after a newer file is complete, never
+the one just written; a payload is built once however many files get it. docs/long-runs.md, "What is saved when".
 """
 import logging
 from pathlib import Path

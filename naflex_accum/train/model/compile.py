@@ -1,19 +1,10 @@
 """``--torchcompile``: the model compiled with ``torch.compile`` (upstream's ``model`` strategy).
 
-Invariants: the model is compiled in place (``model.compile()``: no wrapper, so
-its state_dict keys, attributes and hooks are the model's own) before DDP wraps
-it, as upstream's trainer does; Inductor draws its random numbers with eager's generator
-(its ``fallback_random`` option), so patch dropout and dropout draw the same masks compiled
-as eager from the same RNG state, and the accumulation replay, which restores the
-caching pass's RNG state, draws the caching pass's masks under compile too. A NaFlex run has few sequence lengths
-and one batch size per length: with the batch dimension marked dynamic
-(``mark_batch_dynamic``) the first length compiles a graph per grad mode (the
-caching pass runs without grad), the second a dynamic one that every later
-length and batch size reuses (dynamo's automatic dynamic shapes), so nothing
-compiles after the first epoch; this compile's recompile limit is raised to hold
-them all, so no length silently falls back to eager. Under DDP with
-``--grad-checkpointing`` dynamo's DDP graph split is turned off, as upstream
-(it breaks checkpointed graphs).
+Invariants: compiled in place before DDP (state_dict keys are the model's own); Inductor's ``fallback_random``
+draws eager's masks from the same RNG state, so the accumulation replay holds compiled; with the batch
+dimension dynamic and the recompile limit raised, nothing compiles after the first epoch and no length falls
+back to eager; DDP's graph split is off under ``--grad-checkpointing``, as upstream. docs/training.md,
+"torch.compile".
 """
 import logging
 
@@ -29,8 +20,7 @@ TORCH_RECOMPILE_LIMIT = 8  # torch.compile's default; never lowered
 
 
 def compile_model(model, args, distributed: bool = False) -> None:
-    """``model.compile()`` in place with the run's backend and mode; its recompile limit set for the run's
-    sequence lengths."""
+    """``model.compile()`` in place, the run's backend and mode; recompile limit set for its sequence lengths."""
     if distributed and args.grad_checkpointing:
         dynamo_config.optimize_ddp = False
     graphs = 2 * len(args.naflex_seq_lens) * len(args.naflex_patch_sizes) + 2  # grad modes; eval

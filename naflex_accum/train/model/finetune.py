@@ -1,12 +1,8 @@
 """Fine-tuning flags of ``naflex-accum train``, with open_clip's names: pretrained weights, locking, and the rest.
 
-Invariants: ``--pretrained`` either loads every tensor of the model (or of the
-image tower, for timm weights) with its exact shape, or stops with one line
-naming the first keys that do not fit; nothing is loaded partially. A locked
-parameter has ``requires_grad=False`` before the optimizer and DDP are built,
-so it gets no gradient, is not in the optimizer and stays bit-identical; the
-accumulation step is exact for the parameters that train. ``--resume`` is
-applied after ``--pretrained`` and so wins, as upstream.
+Invariants: ``--pretrained`` loads every tensor with its exact shape or stops with one line naming the first
+keys that do not fit; a locked parameter has ``requires_grad=False`` before the optimizer and DDP are built;
+``--resume`` wins over ``--pretrained``, as upstream. docs/training.md, "Fine-tuning" and "Locking towers".
 """
 import argparse
 import logging
@@ -80,14 +76,10 @@ def validate(args) -> None:
     zeroshot.validate(args)
 
 
-# ---- pretrained weights ---------------------------------------------------------------------------------------
 
 def read_state_dict(path: str) -> Dict[str, torch.Tensor]:
-    """A state_dict from a local file, read without running code from it: raw, or under state_dict/model keys.
-
-    The trainer's safe reader opens it (``.pt`` with ``weights_only``, or ``.safetensors``);
-    timm's ``clean_state_dict`` drops the ``module.`` prefix of DDP checkpoints.
-    """
+    """A state_dict from a local file, read by the safe reader: raw, or under state_dict/model keys, without
+    DDP's ``module.`` prefix (timm's ``clean_state_dict``)."""
     if not os.path.isfile(path):
         raise UsageError(f"--pretrained {path}: no such file; give a local weights file (pretrained tags such as "
                          f"'laion2b_s34b_b79k' need a download, which this trainer does not do)")
@@ -139,7 +131,6 @@ def load_pretrained(model, path: str, model_name: str = "the model") -> str:
     return f"{what}, {len(state_dict)} tensors"
 
 
-# ---- locking --------------------------------------------------------------------------------------------------
 
 def image_layer_groups(visual) -> List[List[torch.nn.Parameter]]:
     """The image tower's parameters in layer groups, input side first: timm's own groups, then the projection."""
@@ -152,11 +143,8 @@ def image_layer_groups(visual) -> List[List[torch.nn.Parameter]]:
 
 
 def lock_image_tower(model, unlocked_groups: int = 0) -> None:
-    """Upstream main's ``TimmModel.lock``: freeze all but the top ``unlocked_groups`` groups, projection included.
-
-    open_clip 3.3.0's ``TimmModel.lock`` keeps the projection trainable and counts
-    only trunk groups, so upstream main's meaning is implemented here on timm's groups.
-    """
+    """Upstream main's ``TimmModel.lock``: freeze all but the top ``unlocked_groups`` groups, projection included
+    (3.3.0's keeps the projection trainable and counts only trunk groups)."""
     groups = image_layer_groups(model.visual)
     if unlocked_groups >= len(groups):
         raise UsageError(f"--lock-image-unlocked-groups {unlocked_groups} unlocks all {len(groups)} layer groups "

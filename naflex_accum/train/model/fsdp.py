@@ -1,17 +1,9 @@
 """``--fsdp``: FSDP2 (``fully_shard``) in the built-in trainer, and full state dicts in and out of it.
 
-Invariants: with ``--fsdp`` every transformer block of both towers, and the model
-at its root, is a ``fully_shard`` unit over all ranks; parameters, gradients and
-optimizer state stay fp32 (no mixed-precision policy: autocast does the casting,
-as in a DDP run), so the accumulated update is a DDP run's to round-off. The
-accumulation step turns gradient sync off until a window's last backward
-(``sync.grad_sync``), so a window costs one reduce-scatter round. Checkpoints
-hold the plain model's full state dict (``logit_scale``/``logit_bias`` 0-dim, as
-open_clip's CLIP has them; FSDP needs them 1-dim while sharded) and an optimizer
-state keyed by parameter name (an unsharded run's stays keyed by index, as
-open_clip's): a run with or without ``--fsdp`` resumes from either kind, and
-``--pretrained`` and a plain ``load_state_dict`` read the weights. Every function here is a
-collective under FSDP: all ranks call it.
+Invariants: every block of both towers, and the root, is a ``fully_shard`` unit, all fp32, so the update is a
+DDP run's to round-off; checkpoints hold the plain model's full state dict and a name-keyed optimizer state,
+so runs with and without ``--fsdp`` resume from either. Every function here is a collective under FSDP.
+docs/distributed.md, "FSDP2".
 """
 import logging
 from typing import Dict, Optional
@@ -87,8 +79,7 @@ def load_model_state(model, state: Dict[str, torch.Tensor]) -> None:
 
 def full_optimizer_state(model, optimizer) -> Optional[Dict]:
     """The optimizer's state keyed by parameter name, on the CPU (rank 0; None elsewhere when sharded)."""
-    state = get_optimizer_state_dict(model, optimizer,
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not state:
         return None
     state["state"] = {name: _plain_entry(name, entry) for name, entry in state["state"].items()}

@@ -1,22 +1,8 @@
 """Console, ``out.log``, tensorboard and wandb logging of a run, on rank 0 only.
 
-Invariants: every rank runs the same code, but only rank 0 writes (files,
-tensorboard events, console lines); the console line keeps open_clip's shape
-(``Train Epoch: E [n/N (p%)] ... LR: ... Logit Scale: ... Loss: v (avg)``) with
-image tokens/s added, and on a terminal a progress bar that no console line ever
-shares a line with; the logger receives what the loop's checks gathered (the
-losses of every step since the previous check, summed on the device), so the
-epoch averages cover every step without reading the device at each one; a file
-that cannot be written (full disk, no permission) stops the run with one line
-naming it and the OS error, not a logging traceback.
-
-Tensorboard gets upstream open_clip main's scalars, under its names, meanings and
-steps, and this trainer's few extras: ``train/*`` at the optimizer step's index
-(global step - 1, upstream's ``step``), ``train/<term>_epoch_avg`` at the
-epoch's last step, ``val/*`` at the epoch. wandb gets the same names at the same
-steps, but ``val/*`` at the epoch's last step (a wandb step never goes back).
-Each evaluation appends one JSON line of its metrics to
-``checkpoints/results.jsonl``, as open_clip; nothing there is rewritten.
+Invariants: only rank 0 writes; the console line keeps open_clip's shape, and no line shares one with the
+progress bar; epoch averages cover every step without a device read per step; an unwritable file stops the
+run with one line naming it. Scalars keep upstream's names and steps. docs/training.md, "Metrics".
 """
 import json
 import logging
@@ -44,8 +30,7 @@ class _FileHandler(logging.FileHandler):
 
 
 class _ConsoleHandler(logging.StreamHandler):
-    """The console: each record through ``tqdm.write``, which takes the progress bar off its line first and
-    draws it again below, so a log line never starts where the bar ends."""
+    """The console, through ``tqdm.write``: the progress bar is redrawn below, never sharing a line with a record."""
 
     def emit(self, record):
         try:
@@ -89,9 +74,7 @@ class RunLogger:
 
     def __init__(self, logger: logging.Logger, is_master: bool, tensorboard_dir=None, wandb_run=None,
                  results_file=None):
-        self.log = logger
-        self.is_master = is_master
-        self.writer, self.wandb = None, wandb_run
+        self.log, self.is_master, self.writer, self.wandb = logger, is_master, None, wandb_run
         self.results_file = results_file if is_master else None
         if is_master and tensorboard_dir is not None:
             try:
@@ -102,8 +85,7 @@ class RunLogger:
         self.first_loss: Optional[float] = None
         self.epoch_losses: list = []  # average training loss of each finished epoch
         self.evals: list = []  # (epoch, metrics) of each evaluation
-        self.epoch = 0
-        self.bar = None
+        self.epoch, self.bar = 0, None
 
     def start_epoch(self, epoch: int, num_steps: int, meters: Optional[dict] = None):
         """``meters``: what ``meter_state`` saved inside this epoch (a resume), so its averages cover it whole."""
@@ -115,13 +97,8 @@ class RunLogger:
 
     def step(self, epoch: int, step_in_epoch: int, num_steps: int, global_step: int, info: dict,
              samples_per_epoch: int, console: bool):
-        """What the loop gathered over ``info["steps"]`` optimizer steps ending at ``global_step``.
-
-        ``info``: ``losses`` (each term at this step, mean over ranks), ``loss_sums`` (each term times the
-        window's samples, summed over those steps), ``samples`` (this rank's, over those steps),
-        ``samples_global``, ``tokens_global``, ``elapsed``, ``data_time``, ``lr``, ``logit_scale``,
-        ``logit_bias``, ``window_scale``, ``epoch_samples`` (global, so far this epoch).
-        """
+        """What the loop gathered over ``info["steps"]`` optimizer steps ending at ``global_step`` (``losses``:
+        each term at this step, mean over ranks; ``loss_sums``: each term times the window's samples, summed)."""
         if not self.is_master:
             return
         if self.first_loss is None:
@@ -157,8 +134,7 @@ class RunLogger:
             raise WriteError(self.writer.log_dir, exc) from None
 
     def _console_line(self, epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps):
-        done = info["epoch_samples"]
-        digits = len(str(samples_per_epoch))
+        done, digits = info["epoch_samples"], len(str(samples_per_epoch))
         losses = " ".join(f"{k.capitalize()}: {m.val:#.5g} ({m.avg:#.5g})" for k, m in self.loss_meters.items())
         self.log.info(
             f"Train Epoch: {epoch} [{done:>{digits}}/{samples_per_epoch} "
@@ -167,8 +143,7 @@ class RunLogger:
             f"LR: {info['lr']:5f} Logit Scale: {info['logit_scale']:.3f} {losses}")
 
     def end_epoch(self, global_step: int = 0, complete: bool = True):
-        """The epoch's averages (``complete``; the epoch ended at ``global_step``), or nothing for an epoch left
-        by a stop request."""
+        """The epoch's averages (``complete``: it ended at ``global_step``); nothing for one left by a stop."""
         if self.is_master and complete and "loss" in self.loss_meters:
             self.epoch_losses.append(self.loss_meters["loss"].avg)
             summary = "  ".join(f"Avg {k.capitalize()}: {m.avg:#.5g}" for k, m in self.loss_meters.items())
@@ -216,9 +191,7 @@ class RunLogger:
 
 
 def train_scalars(info: dict, elapsed: float) -> dict:
-    """``train/*`` of one log: upstream open_clip main's names and meanings first (``data_time`` and
-    ``batch_time`` in seconds per optimizer step, global samples per second and this rank's, the logit
-    values, the learning rate, each loss term at the last step), then this trainer's own."""
+    """``train/*`` of one log: upstream open_clip main's names and meanings first, then this trainer's own."""
     steps = info["steps"]
     scalars = {"data_time": info["data_time"], "batch_time": elapsed / steps,
                "samples_per_second": info["samples_global"] / elapsed,
@@ -243,8 +216,7 @@ def write_params(path, args, log: Optional[logging.Logger] = None) -> None:
 
 
 def log_file_only(line: str) -> None:
-    """``line`` as an ERROR record in out.log alone: rank 0's report of another rank's failure, which goes to
-    stderr as well (and not again to the console's stdout)."""
+    """``line`` as an ERROR record in out.log alone: another rank's failure, which rank 0 prints on stderr."""
     logger = logging.getLogger(LOGGER_NAME)
     record = logger.makeRecord(LOGGER_NAME, logging.ERROR, __file__, 0, line, None, None)
     for handler in list(logger.handlers):

@@ -1,13 +1,7 @@
 """``--report-to``: which metric sinks a run writes to (open_clip's values), and the wandb run.
 
-Invariants: ``--report-to`` takes open_clip's values ('', 'none', 'tensorboard',
-'wandb', 'all', or a comma-joined list); a value naming wandb without the
-package installed is a one-line ``UsageError`` at flag parsing, before the run
-folder exists. The wandb run is rank 0's, named after the run folder, its id
-derived from the folder name alone, so ``--resume`` of the same folder logs
-into the same wandb run; its files go under ``logs/NAME/wandb``. Every scalar
-tensorboard gets, wandb gets too, under the same name and, but for ``val/*``,
-at the same step (``logs.RunLogger``).
+Invariants: wandb named without the package is a ``UsageError`` at parsing; the wandb run is rank 0's, its id
+derived from the folder name, so a resume logs into the same run (files under ``logs/NAME/wandb``).
 """
 import re
 from typing import FrozenSet, Optional

@@ -1,12 +1,7 @@
 """The lines a run ends with: what a finished run reached, or why a resume had nothing to train.
 
-Invariants: both go through the run's logger, so rank 0 alone writes them, to
-the console and (once the run folder is made) to out.log; the summary names the
-epochs and steps done, the last epoch's average loss, the last evaluation's
-metrics and the last checkpoint, all as the run logged them before. A resume
-whose checkpoint already holds every epoch of ``--epochs`` trains nothing and
-changes nothing in the run folder: one line names the checkpoint and both epoch
-counts, and the run ends with exit 0.
+Invariants: rank 0 alone writes them, through the run's logger; a resume with nothing left to train changes
+nothing in the run folder and ends with exit 0.
 """
 import logging
 from typing import Optional
