@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError, record_exit
-from .exits import EXIT_LOADER
 from ...ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS
+from .exits import EXIT_LOADER
 from .liveness import Liveness
 
 DEFAULT_TIMEOUT = 600.0  # --dist-timeout's default (docs/distributed.md says why)
