@@ -1,28 +1,62 @@
 """The runner refuses, in one line and before upstream's ``main`` creates anything, what upstream would crash on.
 
-``python -m naflex_accum.openclip`` on each pinned upstream commit, in a
-subprocess: every refused setting must exit 2 with exactly one line on stderr
-naming the flag, no traceback, no run folder under ``--logs`` and no self-check
-record. Refusals come before any training, so each run takes seconds. Some
-runs train: distillation at ``--accum-freq 1`` (upstream never calls the fixed
-step: the record says so instead of auditing it), a run with accumulation,
-whose status lines must reach stderr once each, and the tower locks that
-upstream takes, each after its refusal. ``--help`` names the runner and its
-variables.
+``python -m naflex_accum.openclip`` on each pinned upstream commit: every
+refused setting must exit 2 with exactly one line on stderr naming the flag,
+no traceback, no run folder under ``--logs`` and no self-check record. Each
+commit's refusals (``CASES``) run in one process, ``upstream_jobs/runner_cases.py``
+(the runner's ``main`` per case, its stdout and stderr caught as its own
+process's would be): one torch and open_clip import instead of one a case. Two
+ranks, started as torchrun starts them, take a refusal's whole path through
+``python -m``. Some runs train: distillation at ``--accum-freq 1`` (upstream
+never calls the fixed step: the record says so instead of auditing it), and the tower locks that
+upstream takes, each after its refusal (a run's status lines, once each on
+stderr and in out.log: test_upstream_trainer.py). ``--help`` names the
+runner and its variables.
 """
-import dataclasses
 import json
 import socket
 import subprocess
 import sys
 
 import pytest
-from upstream_real import DETERMINISTIC, PINNED, run_python, tail, upstream_env
+from upstream_real import DETERMINISTIC, JOBS, PINNED, _src, last_json, run_python, tail, upstream_env
 
 from naflex_accum.upstream.tiny_tasks import model_config
 
 PREFIX = "naflex_accum.openclip: error: "
 TIMEOUT = 300
+RUNNER, CLI = "naflex_accum.openclip", "naflex_accum.cli"
+DATA = object()  # in a case's argv: the demo shards, then --logs (the case's own) --name run
+OTHERS = [  # on 89fb801
+    (["--distill-model", "ViT-B-32"], "--distill-model without --distill-pretrained"),
+    (["--model", "coca_ViT-B-32", "--distill-model", "ViT-B-32", "--distill-pretrained", "x"],
+     "--distill-model with --model coca_ViT-B-32"),
+    (["--use-naflex", "--naflex-seq-lens", "0", "64"], "--naflex-seq-lens 0 64: "),
+    (["--torchcompile", "--torchcompile-strategy", "step", "--accum-freq", "2"],
+     "--torchcompile-strategy step with --accum-freq 2"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+]
+# name -> (module, argv, env); {model} {weights} {coca} {resnet}: the models of the fixture ``refused``
+CASES = {
+    "accum -1": (RUNNER, ["--accum-freq", "-1", "--precision", "fp32", DATA], {}),
+    "accum 0": (RUNNER, ["--accum-freq", "0", DATA], {}),
+    "distill accum 2": (RUNNER, ["--model", "{model}", "--distill-model", "{model}", "--distill-pretrained",
+                                 "{weights}", "--accum-freq", "2", DATA], {"NAFLEX_ACCUM_VERIFY": "0"}),
+    "no arguments": (RUNNER, [], {}),
+    "batch 0": (RUNNER, ["--use-naflex", "--batch-size", "0", "--naflex-loss-scale", "linear", "--accum-freq", "2",
+                         DATA], {}),
+    f"help {RUNNER}": (RUNNER, ["--help"], {}),
+    f"help {CLI}": (CLI, ["openclip", "--help"], {}),
+    "lock text": (RUNNER, ["--model", "{model}", "--accum-freq", "2", "--lock-text", DATA], {}),
+    "coca text": (RUNNER, ["--model", "{coca}", "--lock-text", "--lock-text-freeze-layer-norm", DATA], {}),
+    "coca image": (RUNNER, ["--model", "{coca}", "--lock-image", DATA], {}),
+    "resnet": (RUNNER, ["--model", "{resnet}", "--lock-image", "--lock-image-unlocked-groups", "1", DATA], {}),
+    **{f"other {i}": (RUNNER, [*args, DATA], {}) for i, (args, _) in enumerate(OTHERS)},
+    "genlip": (RUNNER, ["--model", "naflexgenlip_test", "--accum-freq", "2", DATA], {}),
+}
+ONLY_ON = {"resnet": "5964c41", "genlip": "89fb801", **{f"other {i}": "89fb801" for i in range(len(OTHERS))}}
+TINY_RESNET = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
+               "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +75,44 @@ def _data(demo_shards):
             "--device", "cpu"]
 
 
-def _runner(src, args, cwd, module="naflex_accum.openclip", **env):
+def _runner(src, args, cwd, module=RUNNER, **env):
     env = {"NAFLEX_ACCUM_MODE": None, "NAFLEX_ACCUM_VERIFY": None, **DETERMINISTIC, **env}
     return run_python(src, ["-m", module, *args], cwd=cwd, timeout=TIMEOUT, env=upstream_env(src, **env))
+
+
+def _model_dir(folder, config: dict) -> str:
+    """A ``local-dir:`` model of open_clip config ``config``, without weights."""
+    folder.mkdir()
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": config}))
+    return f"local-dir:{folder}"
+
+
+@pytest.fixture(scope="module")
+def refused(demo_shards, tiny_clip, tmp_path_factory):
+    """``(commit, case name) -> (its run as a CompletedProcess, its --logs)``: ``CASES`` on each pinned commit."""
+    folder = tmp_path_factory.mktemp("refusals")
+    models = {"model": tiny_clip[0], "weights": str(tiny_clip[1]), "resnet": _model_dir(folder / "resnet", TINY_RESNET),
+              "coca": _model_dir(folder / "coca", model_config("coca"))}
+    done = {}
+    for commit in PINNED:
+        cases = []
+        for name, (module, argv, env) in CASES.items():
+            if ONLY_ON.get(name, commit) != commit:
+                continue
+            cwd = folder / commit / name.replace(" ", "-")
+            cwd.mkdir(parents=True)
+            flags = [*_data(demo_shards), "--logs", str(cwd / "logs"), "--name", "run"]
+            argv = [part for arg in argv for part in (flags if arg is DATA else [arg.format(**models)])]
+            cases.append((name, {"module": module, "argv": argv, "cwd": str(cwd),
+                                 "env": {"NAFLEX_ACCUM_MODE": None, "NAFLEX_ACCUM_VERIFY": None, **env}}))
+        (folder / f"{commit}.json").write_text(json.dumps([case for _, case in cases]))
+        src = _src(tmp_path_factory, commit)
+        proc = run_python(src, [JOBS / "runner_cases.py", folder / f"{commit}.json"], cwd=folder, timeout=TIMEOUT,
+                          env=upstream_env(src, NAFLEX_ACCUM_MODE=None, NAFLEX_ACCUM_VERIFY=None, **DETERMINISTIC))
+        for (name, case), out in zip(cases, last_json(proc), strict=True):
+            run = subprocess.CompletedProcess(case["argv"], out["code"], out["stdout"], out["stderr"])
+            done[commit, name] = run, folder / commit / name.replace(" ", "-") / "logs"
+    return done
 
 
 def _refused(proc, logs, *said) -> str:
@@ -58,19 +127,16 @@ def _refused(proc, logs, *said) -> str:
     return lines[0]
 
 
-def _refuse(pinned, demo_shards, tmp_path, args, *said, **env) -> str:
-    logs = tmp_path / "logs"
-    proc = _runner(pinned.src, [*args, *_data(demo_shards), "--logs", logs, "--name", "run"], tmp_path, **env)
-    return _refused(proc, logs, *said)
+def _refuse(refused, commit, name, *said) -> str:
+    return _refused(*refused[commit, name], *said)
 
 
-def test_a_negative_accum_freq_is_refused(pinned, demo_shards, tmp_path):
-    _refuse(pinned, demo_shards, tmp_path, ["--accum-freq", "-1", "--precision", "fp32"],
-            "--accum-freq -1: use 1 ", "or more")
+def test_a_negative_accum_freq_is_refused(pinned, refused):
+    _refuse(refused, pinned.commit, "accum -1", "--accum-freq -1: use 1 ", "or more")
 
 
-def test_accum_freq_zero_is_refused(pinned, demo_shards, tmp_path):
-    _refuse(pinned, demo_shards, tmp_path, ["--accum-freq", "0"], "--accum-freq 0: use 1 ")
+def test_accum_freq_zero_is_refused(pinned, refused):
+    _refuse(refused, pinned.commit, "accum 0", "--accum-freq 0: use 1 ")
 
 
 def test_ddp_on_the_cpu_is_refused_by_rank_0_and_every_rank_exits_2(pinned, demo_shards, tmp_path):
@@ -96,12 +162,9 @@ def test_ddp_on_the_cpu_is_refused_by_rank_0_and_every_rank_exits_2(pinned, demo
     assert done[1].returncode == 2 and done[1].stderr.strip() == "", tail(done[1])  # rank 0 says it
 
 
-def test_distillation_with_accumulation_is_refused_even_unverified(pinned, demo_shards, tiny_clip, tmp_path):
-    model, weights = tiny_clip
-    _refuse(pinned, demo_shards, tmp_path, ["--model", model, "--distill-model", model, "--distill-pretrained",
-                                            weights, "--accum-freq", "2"],
-            "--distill-model with --accum-freq 2: upstream's distillation trains only at --accum-freq 1",
-            NAFLEX_ACCUM_VERIFY="0")
+def test_distillation_with_accumulation_is_refused_even_unverified(pinned, refused):
+    _refuse(refused, pinned.commit, "distill accum 2",
+            "--distill-model with --accum-freq 2: upstream's distillation trains only at --accum-freq 1")
 
 
 def test_distillation_without_accumulation_trains_and_records_that_the_step_is_unused(pinned, demo_shards,
@@ -121,70 +184,32 @@ def test_distillation_without_accumulation_trains_and_records_that_the_step_is_u
     assert "Distill_loss" in (logs / "distill" / "out.log").read_text()
 
 
-def test_no_arguments_at_all_is_refused(pinned, tmp_path):
-    proc = _runner(pinned.src, [], tmp_path)
-    _refused(proc, tmp_path / "logs", "no --train-data: ", "--dataset-type synthetic")
+def test_no_arguments_at_all_is_refused(pinned, refused):
+    _refuse(refused, pinned.commit, "no arguments", "no --train-data: ", "--dataset-type synthetic")
 
 
-def test_a_zero_reference_batch_size_is_refused_before_the_run_folder(pinned, demo_shards, tmp_path):
-    _refuse(pinned, demo_shards, tmp_path, ["--use-naflex", "--batch-size", "0", "--naflex-loss-scale", "linear",
-                                            "--accum-freq", "2"], "--batch-size 0: use 1 or more")
+def test_a_zero_reference_batch_size_is_refused_before_the_run_folder(pinned, refused):
+    _refuse(refused, pinned.commit, "batch 0", "--batch-size 0: use 1 or more")
 
 
-@pytest.mark.parametrize("module,prog", [("naflex_accum.openclip", "python -m naflex_accum.openclip"),
-                                         ("naflex_accum.cli", "naflex-accum openclip")])
-def test_help_names_the_runner_its_variables_and_upstreams_flags(pinned, tmp_path, module, prog):
-    args = ["openclip", "--help"] if module == "naflex_accum.cli" else ["--help"]
-    proc = _runner(pinned.src, args, tmp_path, module=module)
+@pytest.mark.parametrize("module,prog", [(RUNNER, f"python -m {RUNNER}"), (CLI, "naflex-accum openclip")])
+def test_help_names_the_runner_its_variables_and_upstreams_flags(pinned, refused, module, prog):
+    proc, logs = refused[pinned.commit, f"help {module}"]
     assert proc.returncode == 0 and proc.stderr == "", tail(proc)
     assert proc.stdout.startswith(f"usage: {prog} [-h] "), proc.stdout[:300]
     for text in ("--accum-freq", "--naflex-loss-scale", pinned.tokens_flag, "NAFLEX_ACCUM_MODE=cached-loss|replay",
                  "NAFLEX_ACCUM_VERIFY=1|0", f"{prog}: upstream open_clip main's trainer"):
         assert text in proc.stdout, text
-    assert not (tmp_path / "logs").exists()
-
-
-def test_the_status_lines_reach_stderr_once(pinned, demo_shards, tiny_clip, tmp_path):
-    model, _ = tiny_clip
-    logs = tmp_path / "logs"
-    proc = _runner(pinned.src, ["--model", model, "--batch-size", "4", "--accum-freq", "2", "--epochs", "1",
-                                "--lr", "1e-3", "--warmup", "0", *_data(demo_shards), "--logs", logs, "--name", "run"],
-                   tmp_path)
-    assert proc.returncode == 0, tail(proc)
-    log = (logs / "run" / "out.log").read_text().splitlines()
-    for text in ("_train_step_eager replaced by naflex_accum.cached_loss_step", "upstream: open_clip ",
-                 "self-check: PASS 8/8 rows", "upstream's own step, audited the same way: "):
-        said = [line for line in proc.stderr.splitlines() if text in line and "naflex_accum_" not in line]
-        assert len(said) == 1 and said[0].startswith("naflex-accum: "), said
-        assert len([line for line in log if text in line and "| naflex_accum.openclip |" in line]) == 1, text
-
-
-OTHERS = [
-    (["--distill-model", "ViT-B-32"], "--distill-model without --distill-pretrained"),
-    (["--model", "coca_ViT-B-32", "--distill-model", "ViT-B-32", "--distill-pretrained", "x"],
-     "--distill-model with --model coca_ViT-B-32"),
-    (["--use-naflex", "--naflex-seq-lens", "0", "64"], "--naflex-seq-lens 0 64: "),
-    (["--torchcompile", "--torchcompile-strategy", "step", "--accum-freq", "2"],
-     "--torchcompile-strategy step with --accum-freq 2"),
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-]
+    assert not logs.exists()
 
 
 @pytest.mark.parametrize("args,said", OTHERS, ids=lambda v: v if isinstance(v, str) else None)
-def test_other_settings_upstream_would_crash_on_are_refused(upstream_src, demo_shards, tmp_path, args, said):
-    _refuse(dataclasses.replace(PINNED["89fb801"], src=upstream_src), demo_shards, tmp_path, args, said)
+def test_other_settings_upstream_would_crash_on_are_refused(refused, args, said):
+    _refuse(refused, "89fb801", f"other {OTHERS.index((args, said))}", said)
 
 
-def test_upstreams_own_checks_after_parsing_are_one_line(upstream_src, demo_shards, tmp_path):
-    _refuse(dataclasses.replace(PINNED["89fb801"], src=upstream_src), demo_shards, tmp_path,
-            ["--model", "naflexgenlip_test", "--accum-freq", "2"], "GenLIP does not support --accum-freq > 1")
-
-
-def _model_dir(folder, config: dict) -> str:
-    """A ``local-dir:`` model of open_clip config ``config``, without weights."""
-    folder.mkdir()
-    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": config}))
-    return f"local-dir:{folder}"
+def test_upstreams_own_checks_after_parsing_are_one_line(refused):
+    _refuse(refused, "89fb801", "genlip", "GenLIP does not support --accum-freq > 1")
 
 
 def _trains(pinned, demo_shards, tmp_path, model, *args):
@@ -196,10 +221,11 @@ def _trains(pinned, demo_shards, tmp_path, model, *args):
     return (logs / "run" / "params.txt").read_text()
 
 
-def test_lock_text_without_freezing_layer_norm_is_refused_and_the_retry_with_it_trains(pinned, demo_shards,
-                                                                                      tiny_clip, tmp_path):
+def test_lock_text_without_freezing_layer_norm_is_refused_and_the_retry_with_it_trains(pinned, refused,
+                                                                                      demo_shards, tiny_clip,
+                                                                                      tmp_path):
     model, _ = tiny_clip
-    _refuse(pinned, demo_shards, tmp_path, ["--model", model, "--accum-freq", "2", "--lock-text"],
+    _refuse(refused, pinned.commit, "lock text",
             f"--lock-text without --lock-text-freeze-layer-norm: the text tower of --model {model}",
             "add --lock-text-freeze-layer-norm")
     params = _trains(pinned, demo_shards, tmp_path, model, "--lock-text", "--lock-text-freeze-layer-norm",
@@ -207,26 +233,21 @@ def test_lock_text_without_freezing_layer_norm_is_refused_and_the_retry_with_it_
     assert "lock_text: True" in params and "lock_image: True" in params
 
 
-@pytest.mark.parametrize("lock,said", [
-    (["--lock-text", "--lock-text-freeze-layer-norm"], "--lock-text with --model {}: upstream builds a CoCa from it, "
-                                                       "which has no text tower to lock"),
-    (["--lock-image"], "--lock-image with --model {}: upstream builds a CoCa from it, which has no image tower"),
+@pytest.mark.parametrize("case,said", [
+    ("coca text", "--lock-text with --model {}: upstream builds a CoCa from it, which has no text tower to lock"),
+    ("coca image", "--lock-image with --model {}: upstream builds a CoCa from it, which has no image tower"),
 ], ids=["text", "image"])
-def test_locking_a_tower_coca_does_not_lock_is_refused(pinned, demo_shards, tmp_path, lock, said):
-    model = _model_dir(tmp_path / "tiny-coca", model_config("coca"))
-    _refuse(pinned, demo_shards, tmp_path, ["--model", model, *lock], said.format(model), "drop --lock-")
+def test_locking_a_tower_coca_does_not_lock_is_refused(pinned, refused, case, said):
+    proc, logs = refused[pinned.commit, case]
+    _refused(proc, logs, said.format(proc.args[proc.args.index("--model") + 1]), "drop --lock-")
 
 
-TINY_RESNET = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
-               "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
-
-
-def test_a_partly_unlocked_resnet_is_refused_only_where_upstream_asserts(pinned, demo_shards, tmp_path):
+def test_a_partly_unlocked_resnet_is_refused_only_where_upstream_asserts(pinned, refused, demo_shards, tmp_path):
     """5964c41's ModifiedResNet.lock asserts --lock-image-unlocked-groups 0; 89fb801's locks by layer groups."""
-    model = _model_dir(tmp_path / "tiny-resnet", TINY_RESNET)
-    lock = ["--lock-image", "--lock-image-unlocked-groups", "1"]
     if pinned.commit == "5964c41":
-        _refuse(pinned, demo_shards, tmp_path, ["--model", model, *lock],
-                "--lock-image-unlocked-groups 1 with --model", "use --lock-image-unlocked-groups 0")
+        _refuse(refused, pinned.commit, "resnet", "--lock-image-unlocked-groups 1 with --model",
+                "use --lock-image-unlocked-groups 0")
     else:
+        model = _model_dir(tmp_path / "tiny-resnet", TINY_RESNET)
+        lock = ["--lock-image", "--lock-image-unlocked-groups", "1"]
         assert "lock_image_unlocked_groups: 1" in _trains(pinned, demo_shards, tmp_path, model, *lock)

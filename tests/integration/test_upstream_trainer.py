@@ -70,6 +70,11 @@ def test_runner_checks_trains_upstream_naflex_clip_and_records_the_fix(pinned, d
         assert line in log, line
     said = [line for line in proc.stderr.splitlines() if line.startswith("naflex-accum: ")]
     assert len(said) == 4 and said[2].startswith("naflex-accum: self-check: PASS"), said  # install, then the check
+    for text in ("_train_step_eager replaced by naflex_accum.cached_loss_step", "upstream: open_clip ",
+                 "self-check: PASS 8/8 rows", "upstream's own step, audited the same way: "):  # each once
+        once = [line for line in proc.stderr.splitlines() if text in line and "naflex_accum_" not in line]
+        assert len(once) == 1 and once[0].startswith("naflex-accum: "), (text, once)
+        assert len([line for line in log.splitlines() if text in line and "| naflex_accum.openclip |" in line]) == 1
 
 
 def test_runner_without_the_check_says_so(upstream_src, demo_shards, tmp_path):
