@@ -10,7 +10,6 @@ try:  # first (see the module docstring)
     install_interrupt()
     import argparse
     import importlib
-    import os
     import sys
     from typing import List, Optional
 
