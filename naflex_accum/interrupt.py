@@ -27,12 +27,19 @@ def install() -> None:
         if os.getpid() != owner:
             return  # a forked child (a loader worker): its parent stops it
         _signal.signal(SIGINT, _signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
+        threading = sys.modules.get("threading")
+        if threading is not None:  # a thread failing while the stop unwinds (a DataLoader's fd-sharing server
+            threading.excepthook = _quiet  # whose worker is gone) is its consequence: no traceback
         raise KeyboardInterrupt
 
     try:
         _signal.signal(SIGINT, on_sigint)
     except ValueError:  # not the main thread
         pass
+
+
+def _quiet(args) -> None:
+    pass
 
 
 class _Deferred:

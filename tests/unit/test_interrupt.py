@@ -55,3 +55,27 @@ def _record(errors, call):
         call()
     except Exception as exc:  # what the thread met
         errors.append(exc)
+
+
+def test_after_a_ctrl_c_a_thread_that_fails_while_the_stop_unwinds_prints_no_traceback(python_ctrl_c, capfd):
+    """As a DataLoader's fd-sharing server thread does when the worker it serves is stopped mid-transfer."""
+    import threading
+
+    from naflex_accum.interrupt import install
+
+    before = threading.excepthook
+    threading.excepthook = threading.__excepthook__  # Python's own, which prints (pytest's would only warn)
+    try:
+        install()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        thread = threading.Thread(target=_fail)
+        thread.start()
+        thread.join()
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        threading.excepthook = before
+
+
+def _fail():
+    raise ConnectionResetError(104, "Connection reset by peer")
