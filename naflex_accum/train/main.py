@@ -83,9 +83,9 @@ def build_task(args, world, device):
         compile_model(model, args, world.distributed)  # in place: the task's trainable module is the model
     if world.distributed and not fsdp.sharded(model):
         ids = [device.index] if device.type == "cuda" else None
-        # find_unused_parameters keeps DDP's buckets in one layout, so a resumed start sums 3+ ranks' gradients in
-        # the uninterrupted run's order, bit for bit (docs/distributed.md)
-        task.trainable_module = DDP(task.trainable_module, device_ids=ids, find_unused_parameters=True)
+        # one parameter a bucket: DDP rebuilds its buckets after its first step, in another order, so a resumed
+        # start would sum 3+ ranks' gradients in another order than the uninterrupted run (docs/distributed.md)
+        task.trainable_module = DDP(task.trainable_module, device_ids=ids, bucket_cap_mb_list=[0])
     return task, model
 
 

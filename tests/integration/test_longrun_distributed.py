@@ -44,3 +44,14 @@ def test_one_packed_check_per_step_at_most_and_every_rank_stops_at_the_same_step
     assert (mid["epoch"], mid["step_in_epoch"], mid["global_step"], len(mid["rng_states"])) == (1, 4, 8, 2)
     log = (tmp_path / "logs/ddp/out.log").read_text()
     assert "Stopped on request (another rank's request) after step 4 of epoch 1" in log
+
+
+def test_siglip_trains_under_the_trainers_ddp(tmp_path, tmp_path_factory):
+    """SigLIP's loss through the trainer's own DDP wrapping (``find_unused_parameters=True`` there fails it:
+    'Expected to mark a variable ready only once')."""
+    shards, model, _ = reference(tmp_path_factory)
+    argv = run_argv(shards, model, None, None, "--siglip", epochs=1, samples=64, workers=0)
+    proc = subprocess.run([*TORCHRUN, "-m", "naflex_accum.train", "--logs-dir", str(tmp_path / "logs"), "--name",
+                           "siglip", *argv], capture_output=True, text=True, timeout=300, env=SUBPROCESS_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "logs/siglip/checkpoints/epoch_1.pt").exists()
