@@ -1,7 +1,8 @@
 """Fingerprints of the upstream code the patch replaces and relies on, and the ones CI has verified.
 
 Invariant: a fingerprint hashes the source of upstream's ``_train_step_eager`` and the task's
-``compute_accum_loss``; ``VERIFIED`` lists the pinned snapshots' (recomputed by tests/integration/test_upstream_verify.py).
+``compute_accum_loss``; ``VERIFIED`` lists the pinned snapshots' (recomputed by
+tests/integration/test_upstream_verify.py).
 """
 import hashlib
 import inspect
