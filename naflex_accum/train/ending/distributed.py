@@ -240,11 +240,11 @@ def init_distributed(device_arg=None, env=None, world: Optional[World] = None) -
         for names, value in NCCL_DEFAULTS.items() if device.type == "cuda" else ():  # as torchtitan
             if not any(name in os.environ for name in names):
                 os.environ[names[0]] = value
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=dist.PrefixStore("default_pg", world.store), rank=world.rank,
+                                world_size=world.world_size, timeout=world_timeout(world.timeout))
         # What the job's script reads if this process ends without a word (killed, or NCCL's watchdog after
         # --dist-timeout): requeue. The class the process ends with replaces it.
         record_exit(EXIT_LOADER, f"rank {world.rank} ended without a word: killed, or ended by NCCL's watchdog "
                                  "after --dist-timeout (its output says which)")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                store=dist.PrefixStore("default_pg", world.store), rank=world.rank,
-                                world_size=world.world_size, timeout=world_timeout(world.timeout))
     return world, device

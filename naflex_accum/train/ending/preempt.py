@@ -101,9 +101,14 @@ class StopRequest:
         return "the STOP file" if self.world.is_master and self.stop_file.exists() else "another rank's request"
 
     def close(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, signal.SIG_IGN if self.ends_process else handler)
+        restore_handlers(self._previous, self.ends_process)
         self._previous = {}
+
+
+def restore_handlers(previous: dict, ends_process: bool) -> None:
+    """The handlers ``previous`` held, or, in a process that ends with the run, none (a late signal is ignored)."""
+    for sig, handler in previous.items():
+        signal.signal(sig, signal.SIG_IGN if ends_process else handler)
 
 
 class Signals:
@@ -135,9 +140,8 @@ class Signals:
                 os.write(self.write_fd, b"\0")
 
     def restore(self, unread: bool) -> None:
-        """The previous handlers, or, in a process that ends with the run, none (a late signal is ignored)."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, signal.SIG_IGN if self.ends_process else handler)
+        """The previous handlers back (``restore_handlers``), and the wakeup fd off."""
+        restore_handlers(self.previous, self.ends_process)
         if self.read_fd is not None:
             signal.set_wakeup_fd(-1)
             if unread:  # else a late read could meet the descriptor's number reused by another file
