@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 
+import naflex_accum.commands.train  # noqa: F401 (first: it sets torch's C++ log level as the CLI does)
 import torch
 import torch.distributed as dist
 

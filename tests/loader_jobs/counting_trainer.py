@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+import naflex_accum.commands.train  # noqa: F401 (first: it sets torch's C++ log level as the CLI does)
 import torch
 import torch.distributed as dist
 

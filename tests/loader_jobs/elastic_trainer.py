@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+import naflex_accum.commands.train  # noqa: F401 (first: it sets torch's C++ log level as the CLI does)
 import torch
 
 from naflex_accum.data import loader

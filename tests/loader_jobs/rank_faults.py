@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import naflex_accum.commands.train  # noqa: F401 (first: it sets torch's C++ log level as the CLI does)
 import torch
 
 from naflex_accum.data import fill, pipeline

@@ -8,8 +8,8 @@ when rank 0 does not say within ``ACK_WAIT`` it has seen it). Which ranks are go
 not watched: a roll call, answered within a second by each rank's listener thread, which also ends
 its process with another rank's failure when the main thread does not (blocked, busy), and sees
 SIGTERM and SIGUSR1 at once: with a rank not answering nothing can be saved (74); before the loop's
-``StopRequest``, one ends the start-up (75). No store call waits past ``ACK_WAIT`` or goes to a host
-seen gone (torch would print a C++ traceback); rank 0 serving the store keeps it until all are done.
+``StopRequest``, one ends the start-up (75). No store call waits past ``ACK_WAIT``; rank 0 serving the
+store keeps it until all are done.
 """
 import contextlib
 import json
@@ -119,8 +119,6 @@ class Liveness:
         client = dist.TCPStore(*address, None, is_master=False, timeout=timedelta(seconds=ACK_WAIT),
                                 wait_for_workers=False)
         self.store = dist.PrefixStore(f"naflex_accum/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
-        self.link = socket.create_connection(address, timeout=5)  # reads end-of-file once the store's host is gone
-        self.link.setblocking(False)
         self.lock, self.closed = threading.Lock(), threading.Event()
         self.decision: Optional[Failure] = None
         self.ending: Optional[float] = None  # when the main thread began ending (it then ends the process)
@@ -133,14 +131,8 @@ class Liveness:
         self.thread.start()
 
     def ask(self, fn):
-        """``fn()`` on the store; ``Stuck`` when its host is gone or it gives no answer within ``ACK_WAIT``."""
-        try:
-            if not self.link.recv(1):
-                raise StoreGone()
-        except BlockingIOError:
-            pass
-        except OSError:
-            raise StoreGone() from None
+        """``fn()`` on the store; ``Stuck`` when its host is gone or it gives no answer within ``ACK_WAIT`` (the
+        store's own timeout does not bound a call to a frozen host)."""
         box = {}
 
         def call():
