@@ -2,10 +2,9 @@
 
 ``train_step_eager`` is the drop-in for ``open_clip_train.train._train_step_eager`` (the default ``cached-loss``
 mode); ``replay_step`` the other mode. Importing this package patches nothing (``install()``/``patched()`` do)
-and imports no torch: each name loads its module on first use, so an entry point sets up Ctrl-C first.
+and imports nothing, ``__version__`` included: each name loads its module on first use, so an entry point
+(``python -m naflex_accum.openclip`` runs this file first) sets up Ctrl-C before any of its imports.
 """
-from .version import __version__  # a constant: the package still imports nothing heavy
-
 # name -> (module, attribute); THE drop-in is the default mode's step itself (so its name says which mode)
 _EXPORTS = {
     "window_loss_scale": (".accum.scales", "window_loss_scale"),
@@ -16,9 +15,10 @@ _EXPORTS = {
     "ReplayStep": (".accum.replay", "ReplayStep"),
     "AccumulationStep": (".accum.step", "AccumulationStep"),
     **{name: (".upstream.patch", name) for name in ("install", "uninstall", "patched", "is_installed", "PatchError")},
+    "__version__": (".version", "__version__"),
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name):

@@ -1,10 +1,12 @@
-"""Which process this is: the rank variables of every launcher, in open_clip's precedence.
+"""Which process this is: the rank variables of every launcher, in open_clip's precedence, and a SLURM job's
+head node and port (torch-free: the launch scripts ask it before anything loads).
 
 Invariant: the one list of launcher variables the package reads (torchrun, MPI/PMI, SLURM, Open MPI; the first
 found wins, as open_clip's ``world_info_from_env``), so the trainer's world (``train.ending.distributed``) and the
 runner's rank-0-only messages (``upstream.patch``) never disagree on who rank 0 is.
 """
 import os
+import re
 
 LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
 RANK_VARS = ("RANK", "PMI_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
@@ -21,3 +23,17 @@ def process_rank() -> int:
         if os.environ.get(var, "").strip().isdigit():
             return int(os.environ[var])
     return 0
+
+
+def slurm_master_addr(nodelist: str) -> str:
+    """The first host of a SLURM node list like ``node[01-04,07],gpu5``."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    m = re.match(r"^([^\[]+)\[([^\]]+)\]", first)
+    if not m:
+        return first
+    prefix, ranges = m.groups()
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def slurm_master_port(job_id: str) -> int:
+    return 10000 + int(re.sub(r"\D", "", job_id) or 0) % 20000

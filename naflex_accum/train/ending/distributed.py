@@ -6,7 +6,6 @@ the job's store (``liveness``); a collective waits ``LONG_TIMEOUT`` until the fi
 and while rank 0 works alone, --dist-timeout otherwise. docs/distributed.md.
 """
 import os
-import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError, record_exit
-from ...ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS
+from ...ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS, slurm_master_addr, slurm_master_port
 from .exits import EXIT_LOADER
 from .liveness import Liveness
 
@@ -147,20 +146,6 @@ def world_from_env(env=None) -> World:
     if world < 1 or not 0 <= rank < world:
         raise UsageError(f"{rank_name}={rank} is not in [0, {world_name}={world})")
     return World(rank=rank, local_rank=local, world_size=world, distributed=world > 1)
-
-
-def slurm_master_addr(nodelist: str) -> str:
-    """The first host of a SLURM node list like ``node[01-04,07],gpu5``."""
-    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
-    m = re.match(r"^([^\[]+)\[([^\]]+)\]", first)
-    if not m:
-        return first
-    prefix, ranges = m.groups()
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def slurm_master_port(job_id: str) -> int:
-    return 10000 + int(re.sub(r"\D", "", job_id) or 0) % 20000
 
 
 def resolve_device(device_arg, world) -> torch.device:

@@ -6,7 +6,8 @@ Every subprocess has a timeout, so a hung collective fails the test instead of C
 import pytest
 
 from naflex_accum.errors import UsageError
-from naflex_accum.train.ending.distributed import slurm_master_addr, slurm_master_port, world_from_env
+from naflex_accum.ranks import slurm_master_addr, slurm_master_port
+from naflex_accum.train.ending.distributed import world_from_env
 
 
 def test_torchrun_variables():
