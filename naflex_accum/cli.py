@@ -5,7 +5,7 @@ line and exit 130; subcommand modules are imported only when chosen. Importing t
 (``interrupt.install``) first thing, so a Ctrl-C during any import is that one line too.
 """
 try:  # first (see the module docstring)
-    from .interrupt import finished, install as install_interrupt, interrupted
+    from .interrupt import finished, install as install_interrupt, interrupted, quiet_fd_sharing_errors
 
     install_interrupt()
     import argparse
@@ -60,6 +60,7 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
     name, rest = argv[0], argv[1:]
     try:
         module = _module(name)  # torch and the rest: a Ctrl-C while they load is the same one line
+        quiet_fd_sharing_errors()
         code = int(module.main(rest, prog=f"naflex-accum {name}", ends_process=ends_process) or 0)
         if ends_process:
             finished()  # from here on a Ctrl-C changes nothing

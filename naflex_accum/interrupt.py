@@ -42,6 +42,24 @@ def _quiet(args) -> None:
     pass
 
 
+def quiet_fd_sharing_errors() -> None:
+    """From here on, a connection error in a DataLoader's fd-sharing server thread (``multiprocessing.resource_sharer``,
+    whose worker ended mid-handshake: a Ctrl-C to the process group, a killed worker) prints nothing: the run's own
+    line tells what ended it. Any other thread's error prints as before."""
+    import threading  # here, not at the top: install() must load nothing Python's start-up has not (see above)
+
+    previous = threading.excepthook
+    if getattr(previous, "quiets_fd_sharing", False):
+        return
+
+    def hook(args):
+        if not (issubclass(args.exc_type, (ConnectionError, EOFError)) and args.thread is not None
+                and args.thread.name.endswith("(_serve)")):
+            previous(args)
+    hook.quiets_fd_sharing = True
+    threading.excepthook = hook
+
+
 class _Deferred:
     def __enter__(self):
         self.previous, self.held, self.holding = _signal.getsignal(SIGINT), [], False

@@ -4,7 +4,7 @@ on the first call (it imports torch and open_clip): a Ctrl-C at any moment, that
 ``naflex_accum.openclip: interrupted`` line and exit 130 (``interrupt``), set up by the first statement of
 ``python -m`` (importing this module changes nothing)."""
 try:  # first: a Ctrl-C from here on is the one line
-    from .interrupt import finished, install, interrupted
+    from .interrupt import finished, install, interrupted, quiet_fd_sharing_errors
 
     if __name__ == "__main__":
         install()
@@ -24,6 +24,7 @@ PROG = __spec__.name  # this module's name under python -m too (the runner's PRO
 def main(argv=None) -> int:
     """Upstream's main with the fixed step, on ``argv`` (a list of strings; default ``sys.argv[1:]``)."""
     from .upstream.runner import main as run  # here, not at the top: see the module's docstring
+    quiet_fd_sharing_errors()
     return run(argv)
 
 

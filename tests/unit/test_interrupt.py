@@ -1,9 +1,10 @@
 """interrupt.py: a Ctrl-C inside a ``deferred`` block acts once the block has ended, through the handler before."""
 import signal
+import threading
 
 import pytest
 
-from naflex_accum.interrupt import deferred
+from naflex_accum.interrupt import deferred, quiet_fd_sharing_errors
 
 
 @pytest.fixture
@@ -79,3 +80,21 @@ def test_after_a_ctrl_c_a_thread_that_fails_while_the_stop_unwinds_prints_no_tra
 
 def _fail():
     raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_the_fd_sharing_servers_connection_error_is_quiet_and_other_threads_errors_are_not(monkeypatch):
+    printed = []  # the threads whose errors reach the hook before (Python's own prints their traceback)
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.thread.name))
+
+    def _serve():  # what multiprocessing.resource_sharer's thread runs, its worker gone mid-handshake
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def work():
+        raise ConnectionResetError(104, "Connection reset by peer")
+    quiet_fd_sharing_errors()
+    quiet_fd_sharing_errors()  # twice: one hook
+    for target in (_serve, work):
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+    assert [name.split(" ")[1] for name in printed] == ["(work)"], printed
