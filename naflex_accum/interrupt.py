@@ -43,21 +43,17 @@ def _quiet(args) -> None:
 
 
 def quiet_fd_sharing_errors() -> None:
-    """From here on, a connection error in a DataLoader's fd-sharing server thread (``multiprocessing.resource_sharer``,
-    whose worker ended mid-handshake: a Ctrl-C to the process group, a killed worker) prints nothing: the run's own
-    line tells what ended it. Any other thread's error prints as before."""
+    """A connection error in a DataLoader's fd-sharing server thread (``multiprocessing.resource_sharer``: a worker
+    ended mid-handshake, by a Ctrl-C to the group or a kill) prints nothing: the run's own line tells it."""
     import threading  # here, not at the top: install() must load nothing Python's start-up has not (see above)
 
     previous = threading.excepthook
-    if getattr(previous, "quiets_fd_sharing", False):
-        return
-
-    def hook(args):
-        if not (issubclass(args.exc_type, (ConnectionError, EOFError)) and args.thread is not None
-                and args.thread.name.endswith("(_serve)")):
-            previous(args)
-    hook.quiets_fd_sharing = True
-    threading.excepthook = hook
+    if not getattr(previous, "quiets_fd_sharing", False):
+        def hook(args):
+            if not (issubclass(args.exc_type, (ConnectionError, EOFError)) and
+                    getattr(args.thread, "name", "").endswith("(_serve)")):
+                previous(args)
+        hook.quiets_fd_sharing, threading.excepthook = True, hook
 
 
 class _Deferred:

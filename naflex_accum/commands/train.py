@@ -1,9 +1,6 @@
-"""``naflex-accum train``: see ``naflex_accum.train.main``.
-
-Torch's C++ logger, read once as torch loads, prints a warning with a C++ stack for each store call that
-meets a peer's closed connection (rank 0 gone under srun), where every rank already says in one line what
-happened: its level is ERROR here unless ``TORCH_CPP_LOG_LEVEL`` says otherwise.
-"""
+"""``naflex-accum train``: see ``naflex_accum.train.main``. Torch's C++ logger (its level read as torch loads) would
+print a C++ stack per store call meeting a peer's closed connection, which each rank's one line already tells:
+ERROR unless ``TORCH_CPP_LOG_LEVEL`` says otherwise."""
 import os
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

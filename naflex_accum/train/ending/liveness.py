@@ -57,11 +57,11 @@ class RankEnded(Exception):
 
 
 class Stuck(Exception):
-    gone = False  # the store gave no answer within ``ACK_WAIT``, or (``StoreGone``) its host is gone
+    """The store gave no answer within ``ACK_WAIT``, or (``gone``) its host is gone."""
 
-
-class StoreGone(Stuck):
-    gone = True
+    def __init__(self, gone: bool = False):
+        super().__init__("gone" if gone else "no answer")
+        self.gone = gone
 
 
 @dataclass
@@ -134,19 +134,11 @@ class Liveness:
         """``fn()`` on the store; ``Stuck`` when its host is gone or it gives no answer within ``ACK_WAIT`` (the
         store's own timeout does not bound a call to a frozen host)."""
         box = {}
-
-        def call():
-            try:
-                box["value"] = fn()
-            except BaseException as exc:  # handed to the caller's thread
-                box["error"] = exc
-        helper = threading.Thread(target=call, daemon=True)
+        helper = threading.Thread(target=_call_into, args=(box, fn), daemon=True)
         helper.start()
         helper.join(ACK_WAIT)
-        if helper.is_alive():
-            raise Stuck()
-        if isinstance(box.get("error"), dist.DistError):
-            raise StoreGone()
+        if helper.is_alive() or isinstance(box.get("error"), dist.DistError):
+            raise Stuck(gone=not helper.is_alive())
         if "error" in box:
             raise box["error"]
         return box["value"]
@@ -324,6 +316,13 @@ class Liveness:
             time.sleep(0.05)
         if self.ending is None:
             end_process(failure.code, self.flushers)
+
+
+def _call_into(box: dict, fn) -> None:
+    try:
+        box["value"] = fn()
+    except BaseException as exc:  # handed to the caller's thread
+        box["error"] = exc
 
 
 def end_process(code: int, flushers=()) -> None:
