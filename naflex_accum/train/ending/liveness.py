@@ -137,11 +137,12 @@ class Liveness:
         helper = threading.Thread(target=_call_into, args=(box, fn), daemon=True)
         helper.start()
         helper.join(ACK_WAIT)
-        if helper.is_alive() or isinstance(box.get("error"), dist.DistError):
-            raise Stuck(gone=not helper.is_alive())
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        done = dict(box)  # as it stood at the deadline (a late answer changes nothing)
+        if "value" not in done and ("error" not in done or isinstance(done["error"], dist.DistError)):
+            raise Stuck(gone="error" in done)
+        if "error" in done:
+            raise done["error"]
+        return done["value"]
 
     def record(self, failure: Failure) -> Failure:
         """``failure`` recorded unless one is already; the first either way."""
