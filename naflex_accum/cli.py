@@ -14,7 +14,7 @@ try:  # first (see the module docstring)
     from typing import List, Optional
 
     from . import __version__, output
-    from .errors import UsageError, last_word, record_exit
+    from .errors import UsageError, first_line, last_word, record_exit
 except KeyboardInterrupt:
     import sys  # built in: loaded before any code runs
 
@@ -89,8 +89,7 @@ def entry(argv: Optional[List[str]] = None) -> int:
         return code
     except Exception as exc:  # a bug: its traceback follows on stderr
         if not last_word():
-            lines = str(exc).strip().splitlines()
-            last_word(f"{type(exc).__name__}: {lines[0] if lines else ''} (a bug: the traceback is in the output)")
+            last_word(f"{first_line(exc, named=True)} (a bug: the traceback is in the output)")
         raise
     finally:
         finished()

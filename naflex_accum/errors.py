@@ -88,6 +88,13 @@ def record_exit(code: int, line: str = "") -> None:
         print(f"naflex-accum: cannot write the exit status to ${EXIT_FILE_ENV}={path} ({exc})", file=sys.stderr)
 
 
+def first_line(exc: BaseException, named: bool = False) -> str:
+    """``exc``'s message in one line (its first, at most 200 characters; its class when it has none), after its
+    class's name when ``named``."""
+    text = next((line.strip()[:200] for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {text}" if named else text or type(exc).__name__
+
+
 def is_int_at_least(value, minimum: int) -> bool:
     # bool is an int subclass; a True batch size is a bug, not a 1.
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

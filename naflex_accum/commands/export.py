@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from timm.models import clean_state_dict, save_for_hf
 
 from ..data.patches import IMAGE_MEAN, IMAGE_STD
-from ..errors import OneLineParser, UsageError, WriteError
+from ..errors import OneLineParser, UsageError, WriteError, first_line
 from ..models import create_model, list_models, model_config
 from ..train.kept.checkpoint import load_checkpoint
 from ..train.kept.resume import check_fits
@@ -75,8 +75,7 @@ def export(checkpoint, folder, model_name: Optional[str] = None) -> List[str]:
     try:
         model = create_model(cfg)
     except (TypeError, KeyError, RuntimeError) as exc:  # keys CLIP does not take, a tower timm does not know
-        first = (str(exc).splitlines() or [""])[0]
-        raise UsageError(f"model {model_name!r}: open_clip cannot build it ({type(exc).__name__}: {first})") from None
+        raise UsageError(f"model {model_name!r}: open_clip cannot build it ({first_line(exc, named=True)})") from None
     # the prefixes DDP and torch.compile add go (timm's clean_state_dict), 1-dim logit parameters (FSDP) fit
     model.load_state_dict(check_fits(model, state_dict, f"CHECKPOINT {checkpoint}", model_name))
     return write(model.eval(), cfg, Path(folder), sizes)

@@ -11,7 +11,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from webdataset.tariterators import group_by_keys
 
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from .decode import decode_for_seq
 from .patches import patchify_images
 from .samples import IMAGE_EXTS, tar_members
@@ -74,7 +74,7 @@ class ShardSource:
                         continue
                     yield image, label
             except Exception as exc:  # a truncated or garbage tar: keep what was read, report the rest
-                problems.add(f"{url}: unreadable shard ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})")
+                problems.add(f"{url}: unreadable shard ({first_line(exc, named=True)})")
 
 
 class FolderSource:

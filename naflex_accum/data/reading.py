@@ -7,6 +7,7 @@ what is read ahead a window at a time; a request behind the reading point re-rea
 """
 from typing import Dict, Iterator, Optional, Tuple
 
+from ..errors import first_line
 from .samples import ShardReadError, shard_groups
 from .slots import PassOrder
 
@@ -73,8 +74,7 @@ class PassReader:
             except ShardReadError:
                 raise
             except Exception as exc:  # a damaged tar, a failed pipe: what the piece still lists is missing
-                reason = f"cannot be read past sample {expected} ({type(exc).__name__}: " \
-                         f"{(str(exc).splitlines() or [''])[0]})"
+                reason = f"cannot be read past sample {expected} ({first_line(exc, named=True)})"
             reason = reason or f"holds {expected} samples, fewer than its listed size"
             for number in range(expected, piece.stop):
                 yield base + number, (None, url, f"sample {number} is missing: the shard {reason}")

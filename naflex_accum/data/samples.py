@@ -9,7 +9,7 @@ import errno
 import re
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
-from ..errors import TransientError, storage_gone
+from ..errors import TransientError, first_line, storage_gone
 from .images import readable
 from .pipes import PipeFailed, PipeStream, close_shard, open_shard
 from .tario import iter_tar
@@ -85,7 +85,7 @@ def tar_members(url: str, want: Optional[Callable[[str], bool]] = None) -> Itera
         failed = stream.failure() if isinstance(stream, PipeStream) else None
         if failed is None:
             raise
-        raise PipeFailed(f"{failed} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})") from None
+        raise PipeFailed(f"{failed} ({first_line(exc, named=True)})") from None
     finally:
         if stream is not None:
             close_shard(stream, finished)
@@ -133,8 +133,7 @@ def shard_samples(url: str, report: Corruption) -> Iterator[RawSample]:
     except ShardReadError:
         raise
     except Exception as exc:  # truncated/garbage tar, failed pipe: keep what was read, report the rest
-        first_line = (str(exc).splitlines() or [""])[0]
-        report.add(url, None, f"unreadable shard ({type(exc).__name__}: {first_line})")
+        report.add(url, None, f"unreadable shard ({first_line(exc, named=True)})")
     if key is not None:
         sample = checked(url, key, files, report)
         if sample is not None:
@@ -182,5 +181,5 @@ def count_samples(url: str) -> Tuple[int, Optional[str]]:
     except ShardReadError:
         raise
     except Exception as exc:  # truncated/garbage tar, failed pipe: the samples before it still count
-        return count, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        return count, first_line(exc, named=True)
     return count, None

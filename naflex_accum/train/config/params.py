@@ -15,7 +15,7 @@ import yaml
 from ...accum.modes import ACCUM_MODES, DEFAULT_MODE
 from ...accum.scales import LOSS_SCALES, check_options
 from ...data import DataConfig, check_data_config
-from ...errors import OneLineParser, UsageError, check_int, check_ints
+from ...errors import OneLineParser, UsageError, check_int, check_ints, first_line
 from ...helptext import DefaultsFormatter
 from ...models import load_config
 from ..model import finetune
@@ -180,7 +180,7 @@ def _read_yaml(config_path: Path):
     except yaml.YAMLError as exc:
         def at(mark):
             return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        problem = getattr(exc, "problem", None) or first_line(exc)
         context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
         opened = f" ({context}{at(start)})" if context and start is not None else ""
         raise UsageError(f"--config {config_path}: YAML syntax error{at(getattr(exc, 'problem_mark', None))}: "

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...errors import UsageError, record_exit
+from ...errors import UsageError, first_line, record_exit
 from ...ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS, slurm_master_addr, slurm_master_port
 from .exits import EXIT_LOADER
 from .liveness import Liveness
@@ -197,9 +197,8 @@ def _open_store(world: World, address: tuple, timeout: timedelta):
     try:
         return dist.TCPStore(host, port, world.world_size, is_master=serves, timeout=timeout)
     except (RuntimeError, ValueError) as exc:  # DistNetworkError, DistStoreError: one line, not torch's report
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"rank {world.rank}: cannot reach the job's store at {host}:{port} (MASTER_ADDR, "
-                         f"MASTER_PORT): {why}") from None
+                         f"MASTER_PORT): {first_line(exc)}") from None
 
 
 def connect(env=None, timeout: float = DEFAULT_TIMEOUT, prog: str = "naflex-accum train",

@@ -1,15 +1,10 @@
 """Every rank is heard: the first failure is recorded once in the job's store, and every rank ends with it.
 
-Invariants: a rank waits on its peers as long as torch's collective timeout (``World`` sets it per phase):
-gloo raises at once when a peer is gone, after the timeout when one is frozen. The first failure any
-rank records (compare-and-set: one line naming the rank, its exit class) is the one every rank ends
-with; rank 0 prints it once, on stderr and in out.log (rank 1 when rank 0 is gone; the failing rank
-when rank 0 does not say within ``ACK_WAIT`` it has seen it). Which ranks are gone or frozen is asked,
-not watched: a roll call, answered within a second by each rank's listener thread, which also ends
-its process with another rank's failure when the main thread does not (blocked, busy), and sees
-SIGTERM and SIGUSR1 at once: with a rank not answering nothing can be saved (74); before the loop's
-``StopRequest``, one ends the start-up (75). No store call waits past ``ACK_WAIT``; rank 0 serving the
-store keeps it until all are done.
+Invariants: a rank waits on its peers as long as torch's collective timeout (``World`` sets it per phase). The
+first failure recorded (one line naming its rank, its exit class) is every rank's; rank 0 prints it once (rank 1
+when rank 0 is gone). Which ranks are gone or frozen is asked in a roll call that each rank's listener thread
+answers; that thread also ends its process when the main thread cannot, and hears SIGTERM at once. No store call
+waits past ``ACK_WAIT``. docs/distributed.md, "When a rank fails, freezes or is killed".
 """
 import contextlib
 import json
@@ -27,7 +22,7 @@ from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
-from ...errors import QuietUsageError, UsageError, last_word
+from ...errors import QuietUsageError, UsageError, first_line, last_word
 from ...interrupt import EXIT_INTERRUPTED
 from .exits import EXIT_LOADER, transient
 from ..output.logs import LOGGER_NAME, log_file_only
@@ -38,6 +33,7 @@ ACK_WAIT = 10.0  # the most a store call, or a wait for a rank to say it has see
 TAKEOVER = 5.0  # seconds the main thread gets to end the process itself once the listener knows the failure
 # What a collective raises when a peer is gone or does not answer (gloo's errors name its sources)
 COMM_MARKERS = ("/gloo/", "Connection reset by peer", "Connection closed by peer", "NCCL")
+STUCK = (TimeoutError, ConnectionError)  # what a store call raises when the store gives no answer, or is gone
 
 
 class RankFailure(Exception):
@@ -54,14 +50,6 @@ class RankEnded(Exception):
     def __init__(self, code: int):
         super().__init__(f"exit {code}")
         self.code = code
-
-
-class Stuck(Exception):
-    """The store gave no answer within ``ACK_WAIT``, or (``gone``) its host is gone."""
-
-    def __init__(self, gone: bool = False):
-        super().__init__("gone" if gone else "no answer")
-        self.gone = gone
 
 
 @dataclass
@@ -83,11 +71,6 @@ def is_comm_error(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in COMM_MARKERS))
 
 
-def first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
-
-
 def own_failure(exc: BaseException, rank: int) -> Optional[Failure]:
     """The failure ``exc`` is on this rank, or None when it only says that a peer is gone or silent."""
     if isinstance(exc, RankFailure):
@@ -101,7 +84,7 @@ def own_failure(exc: BaseException, rank: int) -> Optional[Failure]:
         return Failure(rank, EXIT_INTERRUPTED, f"rank {rank} was interrupted (SIGINT)")
     if is_comm_error(exc):
         return None
-    return Failure(rank, 1, f"rank {rank} failed: {type(exc).__name__}: {first_line(exc)} (a bug: the traceback "
+    return Failure(rank, 1, f"rank {rank} failed: {first_line(exc, named=True)} (a bug: the traceback "
                             f"is in rank {rank}'s output)")
 
 
@@ -131,15 +114,15 @@ class Liveness:
         self.thread.start()
 
     def ask(self, fn):
-        """``fn()`` on the store; ``Stuck`` when its host is gone or it gives no answer within ``ACK_WAIT`` (the
-        store's own timeout does not bound a call to a frozen host)."""
+        """``fn()`` on the store; ``ConnectionError`` when its host is gone, ``TimeoutError`` when it gives no answer
+        within ``ACK_WAIT`` (the store's own timeout does not bound a call to a frozen host)."""
         box = {}
         helper = threading.Thread(target=_call_into, args=(box, fn), daemon=True)
         helper.start()
         helper.join(ACK_WAIT)
         done = dict(box)  # as it stood at the deadline (a late answer changes nothing)
         if "value" not in done and ("error" not in done or isinstance(done["error"], dist.DistError)):
-            raise Stuck(gone="error" in done)
+            raise (ConnectionError if "error" in done else TimeoutError)("the job's store")
         if "error" in done:
             raise done["error"]
         return done["value"]
@@ -189,7 +172,7 @@ class Liveness:
                 first = self.decide(Failure(0, 2, str(exc), text=str(exc)))
             elif self.decision is None:
                 first = self.decide(self.record(mine) if mine is not None else self.after_comm_error(exc))
-        except Stuck as stuck:
+        except STUCK as stuck:
             first = self.decide(mine or self.store_gone(stuck))
         first = self.decision
         last_word(self.told(first))
@@ -202,7 +185,7 @@ class Liveness:
                 self.announce(first)  # rank 0 is not there to print it
             if self.hosts_store:
                 self.seen(list(range(1, self.world_size)), ACK_WAIT)
-        except Stuck:
+        except STUCK:
             if own and self.rank != 0 and mine.code != 1:
                 self.announce(first)
         if own and (self.rank == 0 or mine.code == 1):
@@ -233,16 +216,16 @@ class Liveness:
                     f"loader slower than --data-timeout?); {after}")
         return self.record(Failure(missing[0] if missing else self.rank, EXIT_LOADER, line, alive=not missing))
 
-    def store_gone(self, stuck: Stuck) -> Failure:
+    def store_gone(self, stuck: OSError) -> Failure:
         """This rank's own account when the store is gone or stuck: so is its host (rank 0 under srun)."""
-        after, (host, port) = f"{self.context()} (exit {EXIT_LOADER})", self.address
+        after, gone = f"{self.context()} (exit {EXIT_LOADER})", isinstance(stuck, ConnectionError)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
             return Failure(0, EXIT_LOADER, (f"rank 0 ended without a word (killed? the OOM killer sends SIGKILL)" if
-                           stuck.gone else f"rank 0 stopped answering: the job's store it serves gave no answer for "
+                           gone else f"rank 0 stopped answering: the job's store it serves gave no answer for "
                            f"{ACK_WAIT:g} s (a stopped or frozen process)") + f"; {after}", alive=False)
-        return Failure(self.rank, EXIT_LOADER, f"the job's store at {host}:{port} (torchrun's agent on rank 0's node) "
-                       f"{'closed' if stuck.gone else 'does not answer'}: the launcher or the job ended around this "
-                       f"rank; {after}")
+        return Failure(self.rank, EXIT_LOADER, f"the job's store at {self.address[0]}:{self.address[1]} (torchrun's "
+                       f"agent on rank 0's node) {'closed' if gone else 'does not answer'}: the launcher or the job "
+                       f"ended around this rank; {after}")
 
     def announce(self, failure: Failure) -> None:
         with self.lock:
@@ -261,7 +244,7 @@ class Liveness:
 
     def done(self) -> None:
         """Say that this rank will not call the store again (rank 0 under srun serves it until all have)."""
-        with contextlib.suppress(Stuck):
+        with contextlib.suppress(*STUCK):
             self.ask(lambda: self.store.set(f"seen/{self.rank}", ""))
 
     def close(self, ok: bool) -> None:
@@ -272,7 +255,7 @@ class Liveness:
         if self.ending is None:
             self.done()
             if self.hosts_store and ok:
-                with contextlib.suppress(Stuck):
+                with contextlib.suppress(*STUCK):
                     self.seen(list(range(1, self.world_size)), self.timeout)
         self.signals.restore(unread=not self.thread.is_alive())
         _FORKING_RANK[0] = False
@@ -288,7 +271,7 @@ class Liveness:
                 self.answered = n
                 if first is None and caught and self.ending is None:
                     first = self.signalled(caught[0])
-            except Stuck as stuck:
+            except STUCK as stuck:
                 first = self.store_gone(stuck)
             if first is not None and self.ending is None:
                 self.conclude(first)

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from ...data import held_worker_failures
-from ...errors import UsageError, WriteError
+from ...errors import UsageError, WriteError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +178,9 @@ def _unreadable(path: Path, flag: str, exc: Exception) -> UsageError:
                           f"numbers, strings and containers of them are read (re-save the file's state_dict "
                           f"with torch.save if you trust it)")
     if isinstance(exc, pickle.UnpicklingError):
-        return UsageError(f"{flag} {path}: cannot read this file ({_first_line(exc)})")
+        return UsageError(f"{flag} {path}: cannot read this file ({first_line(exc)})")
     # a truncated or foreign file: say which, not a zip/pickle traceback
-    return UsageError(f"{flag} {path}: cannot read this file ({type(exc).__name__}: {_first_line(exc)})")
+    return UsageError(f"{flag} {path}: cannot read this file ({first_line(exc, named=True)})")
 
 
 def _refuse_damage(path: Path, flag: str, pickle_only: bool) -> None:
@@ -212,7 +212,7 @@ def _refuse_damage(path: Path, flag: str, pickle_only: bool) -> None:
                         pass
             except Exception as exc:  # BadZipFile, EOFError, NotImplementedError (a flipped compression method)
                 why = "does not match the CRC-32 it was written with" if "CRC" in str(exc) else \
-                    f"cannot be read ({_first_line(exc)})"  # e.g. a local header that shifts where its data starts
+                    f"cannot be read ({first_line(exc)})"  # e.g. a local header that shifts where its data starts
                 raise UsageError(f"{flag} {path}: damaged: {member.filename} {why}; the file changed after it was "
                                  f"written (a disk or copy fault); use another checkpoint") from None
 
@@ -238,12 +238,7 @@ def _load_safetensors(path: Path, flag: str) -> dict:
     try:
         return load_file(str(path), device="cpu")
     except Exception as exc:
-        raise UsageError(f"{flag} {path}: cannot read this safetensors file ({_first_line(exc)})") from None
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
+        raise UsageError(f"{flag} {path}: cannot read this safetensors file ({first_line(exc)})") from None
 
 
 def load_checkpoint(path, flag: str = "--resume", mmap: bool = False) -> dict:

@@ -12,7 +12,7 @@ import torch
 import torch._dynamo.config as dynamo_config  # optimize_ddp has no public form (pyproject.toml)
 import torch._inductor
 
-from ...errors import UsageError
+from ...errors import UsageError, first_line
 
 log = logging.getLogger(__name__)
 STRATEGIES = ("model",)
@@ -36,8 +36,7 @@ def compile_model(model, args, distributed: bool = False) -> None:
         model.compile(**kwargs)
     except RuntimeError as exc:  # an unknown mode or backend: torch's line names the valid ones
         flag = "--torchcompile-mode" if "mode" in str(exc) else "--torchcompile-backend"
-        raise UsageError(f"{flag} {mode if flag.endswith('mode') else backend}: "
-                         f"{(str(exc).splitlines() or [''])[0]}") from None
+        raise UsageError(f"{flag} {mode if flag.endswith('mode') else backend}: {first_line(exc)}") from None
     log.info(f"torch.compile: the model ({backend}{f', mode {mode}' if mode else ''}), batch dimension dynamic, "
              f"Inductor on eager's random numbers")
 

@@ -6,7 +6,7 @@ derived from the folder name, so a resume logs into the same run (files under ``
 import re
 from typing import FrozenSet, Optional
 
-from ...errors import UsageError
+from ...errors import UsageError, first_line
 
 SINKS = ("tensorboard", "wandb")
 INSTALL = "pip install 'naflex-accum[wandb]'"
@@ -53,8 +53,7 @@ def open_wandb(args, root):
                           config={k: v for k, v in vars(args).items() if _plain(v)},
                           settings=wandb.Settings(console="off"))
     except Exception as exc:  # no API key, no network, a refused project: wandb raises many types
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise UsageError(f"--report-to wandb: wandb.init failed ({type(exc).__name__}: {first}); run "
+        raise UsageError(f"--report-to wandb: wandb.init failed ({first_line(exc, named=True)}); run "
                          f"`wandb login`, or set WANDB_MODE=offline and `wandb sync` {folder} later") from None
 
 
