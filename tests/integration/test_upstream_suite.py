@@ -28,7 +28,7 @@ def test_no_upstream_test_fails_patched(patched):
     proc, outcomes = patched
     bad = {test: kind for test, kind in outcomes.items() if kind in ("failure", "error")}
     assert proc.returncode == 0 and not bad, f"{bad}\n{tail(proc)}"
-    assert sum(kind == "passed" for kind in outcomes.values()) >= 200, f"{len(outcomes)} collected"
+    assert sum(kind == "passed" for kind in outcomes.values()) >= 190, f"{len(outcomes)} collected"
     assert not any(t.endswith(f"::{name.rsplit('::', 1)[1]}") for t in outcomes for name in OFFLINE)
 
 
