@@ -10,6 +10,7 @@ venv (``sys.executable``) with its ``src`` first on PYTHONPATH, so the open_clip
 under CI (``$CI`` or ``$NAFLEX_ACCUM_REQUIRE_UPSTREAM`` set) they fail instead,
 so a missing fixture cannot pass as green.
 """
+import compileall
 import json
 import os
 import subprocess
@@ -67,6 +68,8 @@ def extract(tmp_path_factory, name: str) -> Path:
         dest = tmp_path_factory.mktemp(f"upstream-{name}")
         with tarfile.open(tarball) as tar:
             tar.extractall(dest, filter="data")
+        # bytecode made once here: the many processes that import it may not write it (PYTHONDONTWRITEBYTECODE)
+        compileall.compile_dir(dest, quiet=2)
         _EXTRACTED[name] = dest
     return _EXTRACTED[name] / f"open_clip-{name.split('-')[0]}"
 
