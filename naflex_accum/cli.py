@@ -4,6 +4,8 @@ Invariant: a bad input exits 2 with one ``naflex-accum <cmd>: error: ...`` line,
 line and exit 130; subcommand modules are imported only when chosen. Importing this module sets up Ctrl-C
 (``interrupt.install``) first thing, so a Ctrl-C during any import is that one line too.
 """
+from __future__ import annotations  # annotations run no code: a Ctrl-C after the try below lands in no typing call
+
 try:  # first (see the module docstring)
     from .interrupt import finished, install as install_interrupt, interrupted, quiet_fd_sharing_errors
 
