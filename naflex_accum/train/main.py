@@ -335,9 +335,11 @@ def main(argv=None, prog="naflex-accum train", ends_process: bool = False) -> in
     """The exit status is one of ``EXIT_CODES``; rank 0 alone prints an error every rank shares."""
     try:
         result = train(argv, prog, ends_process)
-    except QuietUsageError as exc:  # rank 0 prints it
-        last_word(f"{prog}: error: {exc}")
-        return 2
+    except UsageError as exc:  # one line, not an error for torchrun's summary (``commands.train``)
+        line = last_word(f"{prog}: error: {exc}")
+        if not isinstance(exc, QuietUsageError):  # rank 0 prints that
+            print(line, file=sys.stderr)
+        return exc.exit_code
     except RankEnded as ended:
         return ended.code
     except Exception as exc:  # one process, before the run proper (counting the shards, making its folder) or after

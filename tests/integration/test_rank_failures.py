@@ -4,7 +4,8 @@ The real thing: torchrun (--standalone, gloo, CPU, 2 processes; each rank's outp
 torchrun to files of its own) around ``naflex-accum train`` (``loader_jobs/rank_faults.py``), and two
 processes started the way srun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), where rank 0
 serves the job's store itself, as env:// has it. Faults: rank 1 alone raises (its data loader cannot
-start, or its images stop decoding mid-run); rank 1 frozen with SIGSTOP; rank 1 killed with SIGKILL;
+start, or its images stop decoding mid-run); a bug on rank 1 (torchrun's summary shows it, through the
+rank's error file); rank 1 frozen with SIGSTOP; rank 1 killed with SIGKILL;
 rank 1 frozen while rank 0 gets SIGTERM; rank 0 killed under srun; rank 0's checkpoint write slower
 than any collective may wait. The line must reach the user once, on rank 0's stderr (and in out.log
 once it exists); no rank may print a traceback or a connection error. Every subprocess has a timeout;
@@ -169,6 +170,16 @@ def test_an_error_on_rank_1_alone_reaches_the_user_once_and_every_rank_exits_2(s
     assert "(injected)" not in job.output(1, "stdout") + job.output(1, "stderr")
     if when == "mid-run":
         assert list((tmp_path / "logs/run/checkpoints").glob("step_*.pt"))  # it trained before it broke
+
+
+def test_a_bug_on_rank_1_is_torchruns_root_cause_with_its_error_and_traceback(setup, tmp_path):
+    job = Job(tmp_path, setup, FAIL_AT_START="bug:1")
+    assert job.wait() == {0: 1, 1: 1}, job.report()
+    line = "rank 1 failed: TypeError: an injected bug (a bug: the traceback is in rank 1's output)"
+    assert [l for l in job.output(0, "stderr").splitlines() if l.strip()] == [f"naflex-accum train: error: {line}"]
+    root_cause = job.launcher().split("Root Cause", 1)[1]  # torchrun's summary, from the rank's error file
+    assert re.search(r"rank\s*:\s*1 ", root_cause) and "TypeError: an injected bug" in root_cause, job.launcher()
+    assert "Traceback" in root_cause and "in build_data" in root_cause, job.launcher()
 
 
 def test_a_frozen_rank_ends_the_job_within_the_dist_timeout_exit_74(setup, tmp_path):

@@ -1,6 +1,6 @@
-"""--dist-timeout, how long a collective waits on a peer (train/distributed.py): seconds above 0, else one line.
+"""--dist-timeout, how long a collective waits on a peer (train/ending/distributed.py): seconds above 0, else one line.
 
-The ranks themselves (a rank that fails, freezes or is killed: train/liveness.py) run for real in
+The ranks themselves (a rank that fails, freezes or is killed: train/ending/liveness.py) run for real in
 integration/test_rank_failures.py.
 """
 
