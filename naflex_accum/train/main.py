@@ -37,7 +37,7 @@ from .monitor import NonFiniteLoss, StepMonitor
 from .output.logs import RunLogger, setup_logging
 from .output.report import open_wandb, sinks
 from .output.summary import finished, log_nothing_to_do, log_summary
-from .ending.liveness import RankEnded, RankFailure
+from .ending.liveness import RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ def _parse(argv, prog):
 
 def train(argv=None, prog="naflex-accum train", ends_process: bool = False) -> dict:
     """Parse, set up the process group, run, tear down; run()'s summary (rank 0's is complete). With several
-    processes every rank ends in the first failure's class (``liveness``): ``QuietUsageError`` or ``RankEnded``
+    processes every rank ends in the first failure's class (``liveness``): ``QuietUsageError`` or ``RankFailure``
     where it was printed elsewhere. ``ends_process``: see ``preempt``."""
     args = _parse(argv, prog)
     world, code = connect(timeout=args.dist_timeout, prog=prog, ends_process=ends_process), None
@@ -340,7 +340,7 @@ def main(argv=None, prog="naflex-accum train", ends_process: bool = False) -> in
         if not isinstance(exc, QuietUsageError):  # rank 0 prints that
             print(line, file=sys.stderr)
         return exc.exit_code
-    except RankEnded as ended:
+    except RankFailure as ended:  # its line was printed where it had to be
         return ended.code
     except Exception as exc:  # one process, before the run proper (counting the shards, making its folder) or after
         what = transient(exc)

@@ -1,10 +1,10 @@
 """Every rank is heard: the first failure is recorded once in the job's store, and every rank ends with it.
 
 Invariants: a rank waits on its peers as long as torch's collective timeout (``World`` sets it per phase). The
-first failure recorded (one line naming its rank, its exit class) is every rank's; rank 0 prints it once (rank 1
-when rank 0 is gone). Which ranks are gone or frozen is asked in a roll call that each rank's listener thread
-answers; that thread also ends its process when the main thread cannot, and hears SIGTERM at once. No store call
-waits past ``ACK_WAIT``. docs/distributed.md, "When a rank fails, freezes or is killed".
+first failure recorded (one line naming its rank, its exit class) is every rank's, printed once by rank 0 (rank 1
+when rank 0 is gone). Each rank's listener thread answers roll calls (which ranks are gone or frozen), hears SIGTERM
+at once and ends its process when the main thread cannot. No store call waits past ``ACK_WAIT``.
+docs/distributed.md, "When a rank fails, freezes or is killed".
 """
 import contextlib
 import json
@@ -37,19 +37,12 @@ STUCK = (TimeoutError, ConnectionError)  # what a store call raises when the sto
 
 
 class RankFailure(Exception):
-    """This rank failed in a way the run handles (one line, an exit class), e.g. its data loader."""
+    """This rank ends in exit class ``code`` after a failure the run handles (``line``), e.g. its data loader's;
+    raised again by ``end_with`` once the line was printed where it had to be."""
 
     def __init__(self, line: str, code: int):
         super().__init__(line)
         self.line, self.code = line, code
-
-
-class RankEnded(Exception):
-    """This rank ends with exit status ``code``; its line was printed where it had to be."""
-
-    def __init__(self, code: int):
-        super().__init__(f"exit {code}")
-        self.code = code
 
 
 @dataclass
@@ -66,11 +59,6 @@ class Failure:
         return 1 if self.rank == 0 and not self.alive else 0
 
 
-def is_comm_error(exc: BaseException) -> bool:
-    return isinstance(exc, dist.DistError) or (
-        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in COMM_MARKERS))
-
-
 def own_failure(exc: BaseException, rank: int) -> Optional[Failure]:
     """The failure ``exc`` is on this rank, or None when it only says that a peer is gone or silent."""
     if isinstance(exc, RankFailure):
@@ -82,7 +70,7 @@ def own_failure(exc: BaseException, rank: int) -> Optional[Failure]:
         return Failure(rank, 2, f"rank {rank}: {exc}", text=str(exc))
     if isinstance(exc, KeyboardInterrupt):
         return Failure(rank, EXIT_INTERRUPTED, f"rank {rank} was interrupted (SIGINT)")
-    if is_comm_error(exc):
+    if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in COMM_MARKERS)):
         return None
     return Failure(rank, 1, f"rank {rank} failed: {first_line(exc, named=True)} (a bug: the traceback "
                             f"is in rank {rank}'s output)")
@@ -169,11 +157,11 @@ class Liveness:
         mine = None if isinstance(exc, QuietUsageError) else own_failure(exc, self.rank)
         try:
             if isinstance(exc, QuietUsageError):  # rank 0's own error, which it prints
-                first = self.decide(Failure(0, 2, str(exc), text=str(exc)))
+                self.decide(Failure(0, 2, str(exc), text=str(exc)))
             elif self.decision is None:
-                first = self.decide(self.record(mine) if mine is not None else self.after_comm_error(exc))
+                self.decide(self.record(mine) if mine is not None else self.after_comm_error(exc))
         except STUCK as stuck:
-            first = self.decide(mine or self.store_gone(stuck))
+            self.decide(mine or self.store_gone(stuck))
         first = self.decision
         last_word(self.told(first))
         own = mine is not None and (first.rank == self.rank or (bool(mine.text) and mine.text == first.text))
@@ -189,12 +177,10 @@ class Liveness:
             if own and self.rank != 0 and mine.code != 1:
                 self.announce(first)
         if own and (self.rank == 0 or mine.code == 1):
-            if isinstance(exc, RankFailure):  # rank 0's loader failure: already in its log
-                raise RankEnded(exc.code) from None
             raise exc  # printed as one process prints it: by the CLI, or with its traceback (a bug)
         if first.code == 2:
             raise QuietUsageError(first.line) from None
-        raise RankEnded(first.code) from None
+        raise RankFailure(first.line, first.code) from None
 
     def after_comm_error(self, exc: BaseException) -> Failure:
         """The failure behind a collective that broke: a peer's record, else the ranks that miss a roll call."""
@@ -234,10 +220,8 @@ class Liveness:
             self.announced = True
         print(self.told(failure), file=sys.stderr, flush=True)
         if self.rank == 0:
-            try:
+            with contextlib.suppress(Exception):  # out.log unwritable: stderr has the line, and nothing may hide it
                 log_file_only(failure.line)
-            except Exception:  # out.log unwritable: stderr has the line, and nothing may hide it
-                pass
 
     def told(self, failure: Failure) -> str:  # a stop on request is no error
         return f"{self.prog}: {'' if failure.code == EXIT_STOPPED else 'error: '}{failure.line}"
@@ -315,10 +299,8 @@ def end_process(code: int, flushers=()) -> None:
         child.kill()
     for flush in [*flushers, *(h.flush for h in logging.getLogger(LOGGER_NAME).handlers), sys.stdout.flush,
                   sys.stderr.flush]:
-        try:
+        with contextlib.suppress(Exception):  # an unwritable log must not keep the process from ending
             flush()
-        except Exception:  # an unwritable log must not keep the process from ending
-            pass
     os._exit(code)
 
 
@@ -335,14 +317,9 @@ def _leave_connections_behind() -> None:
     except OSError:  # not Linux: the children keep them, and a rank's death is seen when they end
         return
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):  # not a socket (or the listing's own descriptor, closed by now)
             sock = socket.socket(fileno=fd)
-        except OSError:  # not a socket (or the listing's own descriptor, closed by now)
-            continue
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.close()
-        else:
-            sock.detach()
+            (sock.close if sock.family in (socket.AF_INET, socket.AF_INET6) else sock.detach)()
 
 
 os.register_at_fork(after_in_child=_leave_connections_behind)
