@@ -19,7 +19,7 @@ from ..errors import QuietUsageError, UsageError, WriteError, last_word
 from ..models import create_model, takes_flat_patches
 from ..tasks import create_task
 from .config.params import data_config, parse_args
-from .ending.distributed import connect, init_distributed, world_from_env
+from .ending.distributed import DEFAULT_TIMEOUT, connect, init_distributed
 from .ending.exits import EXIT_CODES, EXIT_LOADER, EXIT_NONFINITE, transient
 from .ending.preempt import EXIT_STOPPED, Preempted, StopRequest
 from .eval.evaluate import evaluate
@@ -287,26 +287,19 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
             "evals": run_logger.evals, "val_samples": getattr(val_data, "num_samples", 0)}
 
 
-def _parse(argv, prog):
-    try:
-        return parse_args(argv, prog)
-    except UsageError as exc:
-        try:
-            rank = world_from_env().rank
-        except UsageError:
-            rank = 0
-        if rank > 0:  # every rank parses the same flags: rank 0 prints the error
-            raise QuietUsageError(str(exc)) from None
-        raise
-
-
 def train(argv=None, prog="naflex-accum train", ends_process: bool = False) -> dict:
     """Parse, set up the process group, run, tear down; run()'s summary (rank 0's is complete). With several
     processes every rank ends in the first failure's class (``liveness``): ``QuietUsageError`` or ``RankFailure``
     where it was printed elsewhere. ``ends_process``: see ``preempt``."""
-    args = _parse(argv, prog)
-    world, code = connect(timeout=args.dist_timeout, prog=prog, ends_process=ends_process), None
     try:
+        args, bad = parse_args(argv, prog), None
+    except UsageError as exc:  # every rank has it: heard through the job's store like any failure (rank 0 says it)
+        args, bad = None, exc
+    timeout = args.dist_timeout if args is not None else DEFAULT_TIMEOUT
+    world, code = connect(timeout=timeout, prog=prog, ends_process=ends_process), None
+    try:
+        if bad is not None:
+            raise bad
         world, device = init_distributed(args.device, world=world)
         result = run(args, world, device, ends_process)
         code = result["exit_code"]

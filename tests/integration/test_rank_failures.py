@@ -1,15 +1,15 @@
 """A rank that fails, freezes or is killed ends every rank of the run, in one line, in its exit class.
 
-The real thing: torchrun (--standalone, gloo, CPU, 2 processes; each rank's output redirected by
-torchrun to files of its own) around ``naflex-accum train`` (``loader_jobs/rank_faults.py``), and two
-processes started the way srun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), where rank 0
-serves the job's store itself, as env:// has it. Faults: rank 1 alone raises (its data loader cannot
-start, or its images stop decoding mid-run); a bug on rank 1 (torchrun's summary shows it, through the
-rank's error file); rank 1 frozen with SIGSTOP; rank 1 killed with SIGKILL;
-rank 1 frozen while rank 0 gets SIGTERM; rank 0 killed under srun; rank 0's checkpoint write slower
-than any collective may wait. The line must reach the user once, on rank 0's stderr (and in out.log
-once it exists); no rank may print a traceback or a connection error. Every subprocess has a timeout;
-times are asserted only as generous bounds on a hang.
+The real thing: torchrun (--standalone, gloo, CPU, 2 processes; each rank's output redirected by torchrun to
+files of its own) around ``naflex-accum train`` (``loader_jobs/rank_faults.py``), and two processes started
+the way srun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), where rank 0 serves the job's store
+itself, as env:// has it. Faults: a bad flag on every rank, rank 0 the last to parse it; rank 1 alone raises
+(its data loader cannot start, or its images stop decoding mid-run); a bug on rank 1 (torchrun's summary shows
+it, through the rank's error file); rank 1 frozen with SIGSTOP; rank 1 killed with SIGKILL; rank 1 frozen
+while rank 0 gets SIGTERM; rank 0 killed under srun; rank 0's checkpoint write slower than any collective may
+wait. The line must reach the user once, on rank 0's stderr (and in out.log once it exists); no rank may print
+a traceback or a connection error. Every subprocess has a timeout; times are asserted only as generous bounds
+on a hang.
 """
 
 import os
@@ -170,6 +170,12 @@ def test_an_error_on_rank_1_alone_reaches_the_user_once_and_every_rank_exits_2(s
     assert "(injected)" not in job.output(1, "stdout") + job.output(1, "stderr")
     if when == "mid-run":
         assert list((tmp_path / "logs/run/checkpoints").glob("step_*.pt"))  # it trained before it broke
+
+
+def test_a_bad_flag_on_every_rank_is_one_line_from_rank_0_and_every_rank_exits_2(setup, tmp_path):
+    job = Job(tmp_path, setup, "--epochs", "-3", LATE="3")  # rank 0 parses last, as on a slower node
+    assert job.wait() == {0: 2, 1: 2}, job.report()
+    heard_once(job, "naflex-accum train: error: --epochs must be a positive integer, got -3", logged=False)
 
 
 def test_a_bug_on_rank_1_is_torchruns_root_cause_with_its_error_and_traceback(setup, tmp_path):

@@ -10,7 +10,7 @@ corrupt data set gives; the other rank's data is sound). FAIL_AT_START: rank R r
 while it builds its data loader (the other rank is then in its first collective, or ahead); ``all``:
 every rank raises the same one; ``bug:R``: rank R raises a TypeError. SLOW_START: every rank takes that
 many seconds longer to build its loader. SLOW: rank 0's first checkpoint write takes SLOW seconds longer;
-SLOW_EVAL: so does each of its evaluations.
+SLOW_EVAL: so does each of its evaluations. LATE: rank 0 starts its command that many seconds late (a slower node).
 """
 import os
 import sys
@@ -99,4 +99,6 @@ main.select_step = select_step
 
 from naflex_accum import cli  # noqa: E402
 
+if rank == 0:
+    time.sleep(float(os.environ.get("LATE", 0)))
 sys.exit(cli.entry(["train", *sys.argv[1:]]))
