@@ -7,7 +7,7 @@ line and exit 130; subcommand modules are imported only when chosen. Importing t
 from __future__ import annotations  # annotations run no code: a Ctrl-C after the try below lands in no typing call
 
 try:  # first (see the module docstring)
-    from .interrupt import finished, install as install_interrupt, interrupted, quiet_fd_sharing_errors
+    from .interrupt import finished, install as install_interrupt, interrupted, loading, quiet_fd_sharing_errors
 
     install_interrupt()
     import argparse
@@ -48,6 +48,15 @@ def _module(name: str):
     return importlib.import_module(f"naflex_accum.commands.{COMMANDS[name][0]}")
 
 
+def _load(name: str, ends_process: bool):
+    """The command's module (torch and the rest); in a process of its own a Ctrl-C while it loads ends it."""
+    if not ends_process:
+        return _module(name)
+    prog = f"naflex-accum {name}"
+    with loading(prog, lambda code: record_exit(code, last_word(f"{prog}: interrupted"))):
+        return _module(name)
+
+
 def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="naflex-accum", description="Exact, split-invariant gradient accumulation "
@@ -61,7 +70,7 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
         return 2
     name, rest = argv[0], argv[1:]
     try:
-        module = _module(name)  # torch and the rest: a Ctrl-C while they load is the same one line
+        module = _load(name, ends_process)  # torch and the rest: a Ctrl-C while they load is the same one line
         quiet_fd_sharing_errors()
         code = int(module.main(rest, prog=f"naflex-accum {name}", ends_process=ends_process) or 0)
         if ends_process:

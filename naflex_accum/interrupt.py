@@ -1,9 +1,9 @@
 """Ctrl-C: one line ``PROG: interrupted`` on stderr and exit 130, whatever the command was doing.
 
 Invariant: from ``install`` on, SIGINT raises ``KeyboardInterrupt`` in the installing process alone (forked
-children ignore it: their parent stops them), once; a ``deferred`` block holds it to the block's end, and after
-``finished`` it is ignored. Nothing here imports what Python's start-up has not loaded. docs/long-runs.md,
-"Ctrl-C: one line, exit 130".
+children ignore it: their parent stops them), once; a ``deferred`` block holds it to the block's end, a
+``loading`` block ends the process at once, and after ``finished`` it is ignored. Nothing here imports what
+Python's start-up has not loaded. docs/long-runs.md, "Ctrl-C: one line, exit 130".
 """
 import os
 import sys
@@ -79,6 +79,41 @@ class _Deferred:
             if self.held and kind is None:
                 _signal.raise_signal(SIGINT)
         return False
+
+
+class _Loading:
+    def __init__(self, prog: str, last=None):
+        self.prog, self.last, self.previous = prog, last, None
+
+    def __enter__(self):
+        previous = _signal.getsignal(SIGINT)
+        if previous in (None, _signal.SIG_IGN, _signal.SIG_DFL):
+            return self  # ignored, or a handler set outside Python: left as it is
+
+        def now(signum, frame):
+            code = interrupted(self.prog)
+            if self.last is not None:
+                self.last(code)
+            os._exit(code)
+        try:
+            _signal.signal(SIGINT, now)
+        except ValueError:  # not the main thread
+            return self
+        self.previous = previous
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if self.previous is not None:
+            _signal.signal(SIGINT, self.previous)
+        return False
+
+
+def loading(prog: str, last=None) -> _Loading:
+    """A block that loads a command's modules, in a process of its own: a Ctrl-C in it ends the process at once
+    (its line, ``last(130)``, exit 130). Raised there, a ``KeyboardInterrupt`` can land in a C extension's
+    initialisation (numpy's, torch's), which leaves it half loaded (a later import fails), swallowed (the command
+    runs on) or, under a C++ callback, an abort; nothing is made before the command runs, so nothing is lost."""
+    return _Loading(prog, last)
 
 
 def deferred() -> _Deferred:

@@ -4,7 +4,7 @@ on the first call (it imports torch and open_clip): a Ctrl-C at any moment, that
 ``naflex_accum.openclip: interrupted`` line and exit 130 (``interrupt``), set up by the first statement of
 ``python -m`` (importing this module changes nothing)."""
 try:  # first: a Ctrl-C from here on is the one line
-    from .interrupt import finished, install, interrupted, quiet_fd_sharing_errors
+    from .interrupt import finished, install, interrupted, loading, quiet_fd_sharing_errors
 
     if __name__ == "__main__":
         install()
@@ -32,6 +32,8 @@ def entry() -> int:
     install()
     try:
         output.install()  # | head: the run goes on to its own end and status (``output``)
+        with loading(PROG):  # the runner's imports: a Ctrl-C in them ends the process at once (``interrupt``)
+            from .upstream import runner  # noqa: F401
         code = main()
         finished()  # from here on a Ctrl-C changes nothing
         return code

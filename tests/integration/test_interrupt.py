@@ -83,12 +83,12 @@ def interrupted(proc, log: Path, prog: str, timeout: float = 180) -> str:
     return out
 
 
-def importing_torch(proc, timeout: float = 120) -> bool:
-    """Wait until ``proc`` has loaded torch's library: its imports are under way (they run for seconds more)."""
+def importing_torch(proc, timeout: float = 120, library: str = "libtorch") -> bool:
+    """Wait until ``proc`` has loaded torch's ``library``: its imports are under way (they run for seconds more)."""
     maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.time() + timeout
     while proc.poll() is None and time.time() < deadline:
         try:
-            if "libtorch" in maps.read_text():
+            if library in maps.read_text():
                 return True
         except OSError:
             pass
@@ -114,6 +114,19 @@ def test_ctrl_c_while_the_command_imports_torch(tmp_path, command):
     os.killpg(proc.pid, signal.SIGINT)
     out = interrupted(proc, tmp_path / "log", prog)
     assert importing and out.strip() == f"{prog}: interrupted"
+
+
+@pytest.mark.parametrize("after", [0.0, 0.02, 0.05, 0.1, 0.2])
+def test_ctrl_c_while_numpy_and_torch_initialise(tmp_path, after):
+    """Raised inside numpy's or torch's initialisation, a KeyboardInterrupt left numpy half loaded (a later
+    import failed), was swallowed (the command ran on) or aborted the process from a C++ callback: a Ctrl-C
+    while the command's modules load ends it at once, with its line."""
+    cmd, prog = COMMANDS["train"]
+    proc = start([sys.executable, "-m", "naflex_accum.train", *cmd[2:]], tmp_path / "log")
+    assert importing_torch(proc, library="_multiarray_umath")  # numpy's C extension: torch loads it first
+    time.sleep(after)
+    os.killpg(proc.pid, signal.SIGINT)
+    interrupted(proc, tmp_path / "log", prog)
 
 
 PACKAGE = Path(__file__).resolve().parents[2] / "naflex_accum"
