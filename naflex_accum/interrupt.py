@@ -56,70 +56,57 @@ def quiet_fd_sharing_errors() -> None:
         hook.quiets_fd_sharing, threading.excepthook = True, hook
 
 
-class _Deferred:
-    def __enter__(self):
-        self.previous, self.held, self.holding = _signal.getsignal(SIGINT), [], False
-        if self.previous is None:
-            return self  # a handler set outside Python cannot be put back
-        owner = os.getpid()
+class _Block:
+    """SIGINT goes to ``on_sigint`` until the block ends, then to the handler before it, and ``after(kind)`` runs
+    (main thread only; a handler set outside Python, which cannot be put back, is left as it is)."""
 
-        def hold(signum, frame):
-            if os.getpid() == owner:
-                self.held.append(signum)
-        try:
-            _signal.signal(SIGINT, hold)
-        except ValueError:  # not the main thread: a thread cannot set a handler
-            return self
-        self.holding = True
-        return self
-
-    def __exit__(self, kind, value, traceback):
-        if self.holding:
-            _signal.signal(SIGINT, self.previous)
-            if self.held and kind is None:
-                _signal.raise_signal(SIGINT)
-        return False
-
-
-class _Loading:
-    def __init__(self, prog: str, last=None):
-        self.prog, self.last, self.previous = prog, last, None
+    def __init__(self, on_sigint, after=lambda kind: None):
+        self.on_sigint, self.after, self.previous = on_sigint, after, None
 
     def __enter__(self):
         previous = _signal.getsignal(SIGINT)
-        if previous in (None, _signal.SIG_IGN, _signal.SIG_DFL):
-            return self  # ignored, or a handler set outside Python: left as it is
-
-        def now(signum, frame):
-            code = interrupted(self.prog)
-            if self.last is not None:
-                self.last(code)
-            os._exit(code)
-        try:
-            _signal.signal(SIGINT, now)
-        except ValueError:  # not the main thread
-            return self
-        self.previous = previous
+        if previous is not None:
+            try:
+                _signal.signal(SIGINT, self.on_sigint)
+                self.previous = previous
+            except ValueError:  # not the main thread: a thread cannot set a handler
+                pass
         return self
 
     def __exit__(self, kind, value, traceback):
         if self.previous is not None:
             _signal.signal(SIGINT, self.previous)
+            self.after(kind)
         return False
 
 
-def loading(prog: str, last=None) -> _Loading:
+def loading(prog: str, last=None) -> _Block:
     """A block that loads a command's modules, in a process of its own: a Ctrl-C in it ends the process at once
     (its line, ``last(130)``, exit 130). Raised there, a ``KeyboardInterrupt`` can land in a C extension's
     initialisation (numpy's, torch's), which leaves it half loaded (a later import fails), swallowed (the command
     runs on) or, under a C++ callback, an abort; nothing is made before the command runs, so nothing is lost."""
-    return _Loading(prog, last)
+    def now(signum, frame):
+        code = interrupted(prog)
+        if last is not None:
+            last(code)
+        os._exit(code)
+    current = _signal.getsignal(SIGINT)
+    return _Block(current if current in (_signal.SIG_IGN, _signal.SIG_DFL) else now)  # an ignored one stays so
 
 
-def deferred() -> _Deferred:
+def deferred() -> _Block:
     """A block that holds a SIGINT until it ends (starting the loader's workers: one inside fork's hooks would be
     dropped or leave workers unrecorded). Main thread only."""
-    return _Deferred()
+    held, owner = [], os.getpid()
+
+    def hold(signum, frame):
+        if os.getpid() == owner:
+            held.append(signum)
+
+    def after(kind):
+        if held and kind is None:
+            _signal.raise_signal(SIGINT)
+    return _Block(hold, after)
 
 
 def finished() -> None:
