@@ -84,7 +84,8 @@ def interrupted(proc, log: Path, prog: str, timeout: float = 180) -> str:
 
 
 def importing_torch(proc, timeout: float = 120, library: str = "libtorch") -> bool:
-    """Wait until ``proc`` has loaded torch's ``library``: its imports are under way (they run for seconds more)."""
+    """Wait until ``proc`` has mapped ``library`` (torch's, or numpy's which torch loads first): its imports are under
+    way (they run for seconds more)."""
     maps, deadline = Path(f"/proc/{proc.pid}/maps"), time.time() + timeout
     while proc.poll() is None and time.time() < deadline:
         try:
