@@ -29,7 +29,7 @@ def install() -> None:
         _signal.signal(SIGINT, _signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
         threading = sys.modules.get("threading")
         if threading is not None:  # a thread failing while the stop unwinds (a DataLoader's fd-sharing server
-            threading.excepthook = _quiet  # whose worker is gone) is its consequence: no traceback
+            threading.excepthook = lambda args: None  # whose worker is gone) is its consequence: no traceback
         raise KeyboardInterrupt
 
     try:
@@ -38,22 +38,24 @@ def install() -> None:
         pass
 
 
-def _quiet(args) -> None:
-    pass
-
-
 def quiet_fd_sharing_errors() -> None:
-    """A connection error in a DataLoader's fd-sharing server thread (``multiprocessing.resource_sharer``: a worker
-    ended mid-handshake, by a Ctrl-C to the group or a kill) prints nothing: the run's own line tells it."""
+    """A connection error in ``multiprocessing.resource_sharer``'s thread (a worker ended mid-handshake) prints
+    nothing, whether the thread hands it to ``sys.excepthook`` or it reaches ``threading.excepthook``."""
     import threading  # here, not at the top: install() must load nothing Python's start-up has not (see above)
 
-    previous = threading.excepthook
+    def serving(kind, thread) -> bool:
+        return issubclass(kind, (ConnectionError, EOFError)) and getattr(thread, "name", "").endswith("(_serve)")
+
+    previous, previous_sys = threading.excepthook, sys.excepthook
     if not getattr(previous, "quiets_fd_sharing", False):
         def hook(args):
-            if not (issubclass(args.exc_type, (ConnectionError, EOFError)) and
-                    getattr(args.thread, "name", "").endswith("(_serve)")):
+            if not serving(args.exc_type, args.thread):
                 previous(args)
-        hook.quiets_fd_sharing, threading.excepthook = True, hook
+
+        def sys_hook(kind, value, traceback):
+            if not serving(kind, threading.current_thread()):
+                previous_sys(kind, value, traceback)
+        hook.quiets_fd_sharing, threading.excepthook, sys.excepthook = True, hook, sys_hook
 
 
 class _Block:
@@ -80,15 +82,14 @@ class _Block:
         return False
 
 
-def loading(prog: str, last=None) -> _Block:
+def loading(prog: str, last=lambda code: None) -> _Block:
     """A block that loads a command's modules, in a process of its own: a Ctrl-C in it ends the process at once
     (its line, ``last(130)``, exit 130). Raised there, a ``KeyboardInterrupt`` can land in a C extension's
     initialisation (numpy's, torch's), which leaves it half loaded (a later import fails), swallowed (the command
     runs on) or, under a C++ callback, an abort; nothing is made before the command runs, so nothing is lost."""
     def now(signum, frame):
         code = interrupted(prog)
-        if last is not None:
-            last(code)
+        last(code)
         os._exit(code)
     current = _signal.getsignal(SIGINT)
     return _Block(current if current in (_signal.SIG_IGN, _signal.SIG_DFL) else now)  # an ignored one stays so

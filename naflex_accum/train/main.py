@@ -295,8 +295,8 @@ def train(argv=None, prog="naflex-accum train", ends_process: bool = False) -> d
         args, bad = parse_args(argv, prog), None
     except UsageError as exc:  # every rank has it: heard through the job's store like any failure (rank 0 says it)
         args, bad = None, exc
-    timeout = args.dist_timeout if args is not None else DEFAULT_TIMEOUT
-    world, code = connect(timeout=timeout, prog=prog, ends_process=ends_process), None
+    world = connect(timeout=args.dist_timeout if args else DEFAULT_TIMEOUT, prog=prog, ends_process=ends_process)
+    code = None
     try:
         if bad is not None:
             raise bad

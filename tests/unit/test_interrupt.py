@@ -1,5 +1,6 @@
 """interrupt.py: a Ctrl-C inside a ``deferred`` block acts once the block has ended, through the handler before."""
 import signal
+import sys
 import threading
 
 import pytest
@@ -93,6 +94,30 @@ def test_the_fd_sharing_servers_connection_error_is_quiet_and_other_threads_erro
         raise ConnectionResetError(104, "Connection reset by peer")
     quiet_fd_sharing_errors()
     quiet_fd_sharing_errors()  # twice: one hook
+    for target in (_serve, work):
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+    assert [name.split(" ")[1] for name in printed] == ["(work)"], printed
+
+
+def test_the_fd_sharing_servers_own_report_of_a_caught_error_is_quiet_too(monkeypatch):
+    printed = []  # resource_sharer's _serve catches its error and hands it to sys.excepthook itself
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(threading.current_thread().name))
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # not yet quieted: the hooks go in now
+
+    def report():
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except ConnectionError:
+            sys.excepthook(*sys.exc_info())
+
+    def _serve():
+        report()
+
+    def work():
+        report()
+    quiet_fd_sharing_errors()
     for target in (_serve, work):
         thread = threading.Thread(target=target)
         thread.start()
