@@ -12,7 +12,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -92,12 +91,11 @@ class Liveness:
         self.store = dist.PrefixStore(f"naflex_accum/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
         self.lock, self.closed = threading.Lock(), threading.Event()
         self.decision: Optional[Failure] = None
-        self.ending: Optional[float] = None  # when the main thread began ending (it then ends the process)
+        self.ending = threading.Event()  # the main thread began ending (it then ends the process itself)
         self.announced, self.answered, self.gone = False, 0, set()
         self.context: Callable[[], str] = lambda: "nothing was trained; run it again"
         self.flushers: List[Callable[[], None]] = []  # what to flush if the listener ends the process
         self.signals = Signals(ends_process)
-        _FORKING_RANK[0] = True
         self.thread = threading.Thread(target=self.run, name="naflex-accum-listener", daemon=True)
         self.thread.start()
 
@@ -105,7 +103,13 @@ class Liveness:
         """``fn()`` on the store; ``ConnectionError`` when its host is gone, ``TimeoutError`` when it gives no answer
         within ``ACK_WAIT`` (the store's own timeout does not bound a call to a frozen host)."""
         box = {}
-        helper = threading.Thread(target=_call_into, args=(box, fn), daemon=True)
+
+        def call():
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller's thread
+                box["error"] = exc
+        helper = threading.Thread(target=call, daemon=True)
         helper.start()
         helper.join(ACK_WAIT)
         done = dict(box)  # as it stood at the deadline (a late answer changes nothing)
@@ -153,7 +157,7 @@ class Liveness:
 
     def end_with(self, exc: BaseException):
         """Raise what this rank ends with after ``exc``: the first failure recorded, in its exit class."""
-        self.ending = time.monotonic()
+        self.ending.set()
         mine = None if isinstance(exc, QuietUsageError) else own_failure(exc, self.rank)
         try:
             if isinstance(exc, QuietUsageError):  # rank 0's own error, which it prints
@@ -236,13 +240,12 @@ class Liveness:
         self.closed.set()
         self.signals.wake()
         self.thread.join(timeout=ACK_WAIT + 2)
-        if self.ending is None:
+        if not self.ending.is_set():
             self.done()
             if self.hosts_store and ok:
                 with contextlib.suppress(*STUCK):
                     self.seen(list(range(1, self.world_size)), self.timeout)
         self.signals.restore(unread=not self.thread.is_alive())
-        _FORKING_RANK[0] = False
 
     def run(self) -> None:
         while not self.closed.is_set():  # roll calls are answered while the main thread ends too
@@ -253,11 +256,11 @@ class Liveness:
                 for k in range(self.answered + 1, n + 1):
                     self.ask(lambda: self.store.append(f"here/{k}", f"{self.rank},"))
                 self.answered = n
-                if first is None and caught and self.ending is None:
+                if first is None and caught and not self.ending.is_set():
                     first = self.signalled(caught[0])
             except STUCK as stuck:
                 first = self.store_gone(stuck)
-            if first is not None and self.ending is None:
+            if first is not None and not self.ending.is_set():
                 self.conclude(first)
 
     def signalled(self, signum: int) -> Optional[Failure]:
@@ -279,18 +282,8 @@ class Liveness:
         if self.rank == failure.announcer:
             self.announce(failure)
         self.done()
-        deadline = time.monotonic() + TAKEOVER
-        while time.monotonic() < deadline and self.ending is None:
-            time.sleep(0.05)
-        if self.ending is None:
+        if not self.ending.wait(TAKEOVER):
             end_process(failure.code, self.flushers)
-
-
-def _call_into(box: dict, fn) -> None:
-    try:
-        box["value"] = fn()
-    except BaseException as exc:  # handed to the caller's thread
-        box["error"] = exc
 
 
 def end_process(code: int, flushers=()) -> None:
@@ -302,24 +295,3 @@ def end_process(code: int, flushers=()) -> None:
         with contextlib.suppress(Exception):  # an unwritable log must not keep the process from ending
             flush()
     os._exit(code)
-
-
-_FORKING_RANK = [False]  # this process is a rank of a run of several processes
-
-
-def _leave_connections_behind() -> None:
-    """In a child forked from a rank (a loader worker): close its copies of the rank's network connections, so
-    that the rank's death closes them for its peers at once (a store call would hang meanwhile)."""
-    if not _FORKING_RANK[0]:
-        return
-    try:
-        fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:  # not Linux: the children keep them, and a rank's death is seen when they end
-        return
-    for fd in fds:
-        with contextlib.suppress(OSError):  # not a socket (or the listing's own descriptor, closed by now)
-            sock = socket.socket(fileno=fd)
-            (sock.close if sock.family in (socket.AF_INET, socket.AF_INET6) else sock.detach)()
-
-
-os.register_at_fork(after_in_child=_leave_connections_behind)
