@@ -174,6 +174,7 @@ def test_compiled_under_ddp_matches_eager_ddp(setup):
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[name] = weights(folder / "logs" / name / "checkpoints/epoch_1.pt")
     assert max_diff(out["ddp-eager"], out["ddp-compiled"]) < 1e-5
+    assert "torch.compile: the model (aot_eager)" in proc.stdout + proc.stderr  # it did compile
 
 
 def test_compile_with_fsdp_or_another_strategy_is_one_line(capsys):
