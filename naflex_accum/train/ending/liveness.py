@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -96,6 +97,7 @@ class Liveness:
         self.context: Callable[[], str] = lambda: "nothing was trained; run it again"
         self.flushers: List[Callable[[], None]] = []  # what to flush if the listener ends the process
         self.signals = Signals(ends_process)
+        _FORKING_RANK[0] = True
         self.thread = threading.Thread(target=self.run, name="naflex-accum-listener", daemon=True)
         self.thread.start()
 
@@ -246,6 +248,7 @@ class Liveness:
                 with contextlib.suppress(*STUCK):
                     self.seen(list(range(1, self.world_size)), self.timeout)
         self.signals.restore(unread=not self.thread.is_alive())
+        _FORKING_RANK[0] = False
 
     def run(self) -> None:
         while not self.closed.is_set():  # roll calls are answered while the main thread ends too
@@ -295,3 +298,24 @@ def end_process(code: int, flushers=()) -> None:
         with contextlib.suppress(Exception):  # an unwritable log must not keep the process from ending
             flush()
     os._exit(code)
+
+
+_FORKING_RANK = [False]  # this process is a rank of a run of several processes
+
+
+def _leave_connections_behind() -> None:
+    """In a child forked from a rank (a loader worker): close its copies of the rank's network connections, so
+    that the rank's death closes them for its peers at once (a store call would hang meanwhile)."""
+    if not _FORKING_RANK[0]:
+        return
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # not Linux: the children keep them, and a rank's death is seen when they end
+        return
+    for fd in fds:
+        with contextlib.suppress(OSError):  # not a socket (or the listing's own descriptor, closed by now)
+            sock = socket.socket(fileno=fd)
+            (sock.close if sock.family in (socket.AF_INET, socket.AF_INET6) else sock.detach)()
+
+
+os.register_at_fork(after_in_child=_leave_connections_behind)
