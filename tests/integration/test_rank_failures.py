@@ -12,6 +12,7 @@ a traceback or a connection error. Every subprocess has a timeout; times are ass
 on a hang.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -248,40 +249,29 @@ def test_sigterm_to_a_rank_waiting_on_a_frozen_peer_ends_it_at_once(setup, tmp_p
     last_checkpoint_loads(line)
 
 
-def stalled_reads(marker: str) -> list:
-    """The processes of a stalled read (``read.sh`` below) named ``marker``, orphaned or not."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0] == marker.encode():
-                found.append(int(entry))
-        except OSError:  # gone meanwhile
-            pass
-    return found
-
-
 def test_srun_rank_0_killed_rank_1_says_so_at_once_exit_74(setup, tmp_path):
     """Killed while its loader worker is inside a read that does not end: the worker, orphaned and blocked, must
     not keep rank 0's connections (the job's store it serves) open; else rank 1 waits for them and then takes
     rank 0 for frozen."""
-    stall, marker = tmp_path / "stall", f"stalled-read-{os.getpid()}"
-    (tmp_path / "read.sh").write_text(f'if [ -e {stall}.$RANK ]; then exec -a {marker} sleep 600; fi\nexec cat "$1"\n')
+    stall, stalled = tmp_path / "stall.0", tmp_path / "stalled.pid"  # rank 0's reads hang while stall.0 is there
+    (tmp_path / "read.sh").write_text(f'if [ -e {tmp_path}/stall.$RANK ]; then echo $$ > {stalled}; exec sleep 600; fi\n'
+                                      f'exec cat "$1"\n')
     job = Job(tmp_path, setup, "--train-data", f"pipe:bash {tmp_path / 'read.sh'} {setup[0].train}", srun=True)
     job.wait_steps(0, 2)
-    stall.with_suffix(".0").touch()
+    stall.touch()
     deadline = time.time() + 60
-    while not stalled_reads(marker) and time.time() < deadline:  # the worker's next shard read: an epoch on
+    while not stalled.exists() and time.time() < deadline:  # the worker's next shard read: an epoch on
         time.sleep(0.1)
-    assert stalled_reads(marker), job.report()
+    assert stalled.exists(), job.report()
     killed = time.time()
     os.kill(job.pid(0), signal.SIGKILL)
     try:
         job.wait_rank(1, killed + 40)
         codes = job.wait(timeout=60)
     finally:  # the orphaned worker reads on, no longer stalled, and ends
-        stall.with_suffix(".0").unlink()
-        for pid in stalled_reads(marker):
-            os.kill(pid, signal.SIGKILL)
+        stall.unlink()
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(stalled.read_text()), signal.SIGKILL)
     assert codes == {0: -signal.SIGKILL, 1: 74}, job.report()
     err = job.output(1, "stderr")
     lines = [line for line in err.splitlines() if line.strip()]
