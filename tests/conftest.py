@@ -18,6 +18,11 @@ if "NAFLEX_ACCUM_CACHE" not in os.environ:
     _scratch = tempfile.mkdtemp(prefix="naflex-accum-test-cache-")
     atexit.register(shutil.rmtree, _scratch, ignore_errors=True)
     os.environ["NAFLEX_ACCUM_CACHE"] = _scratch
+# The suite's subprocesses start as the default install does, without the optional wandb: where it is installed,
+# timm imports it in every process that imports timm.data (half a CPU-second, a tenth of a trainer's start).
+# test_wandb.py's runs have it.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent / "no_wandb"),
+                                                       os.environ.get("PYTHONPATH")]))
 
 
 # The pinned upstream open_clip main snapshots, extracted once per run, and tiny demo shards for its trainer.

@@ -1,4 +1,5 @@
 """``--report-to wandb``: wandb's offline mode, read back (tests/wandb_records.py) against tensorboard's events."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,9 @@ from longrun_common import SUBPROCESS_ENV, make_shards, run_argv
 pytest.importorskip("wandb")  # the test extra installs it; `pip install -e .` alone does not
 from wandb_records import history, run_info  # noqa: E402
 
-ENV = {**SUBPROCESS_ENV, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
+HIDDEN = str(Path(__file__).resolve().parents[1] / "no_wandb")  # tests/conftest.py hides wandb from subprocesses
+ENV = {**SUBPROCESS_ENV, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
+       "PYTHONPATH": os.pathsep.join(p for p in SUBPROCESS_ENV["PYTHONPATH"].split(os.pathsep) if p != HIDDEN)}
 
 
 @pytest.fixture(scope="module")
