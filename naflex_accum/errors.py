@@ -7,6 +7,7 @@ input stopped). ``OneLineParser`` and ``check_int`` hold argparse's errors and i
 docs/long-runs.md, "Exit codes".
 """
 import argparse
+import contextlib
 import errno as _errno
 import os
 import sys
@@ -37,6 +38,15 @@ class WriteError(UsageError):
         reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
         super().__init__(f"cannot write {path}: {reason}")
         self.errno = exc.errno
+
+
+@contextlib.contextmanager
+def writing(path):
+    """An ``OSError`` in the block becomes the ``WriteError`` naming ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        raise WriteError(path, exc) from None
 
 
 class StepError(ValueError):

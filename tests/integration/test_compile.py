@@ -105,6 +105,8 @@ def test_compiled_runs_match_eager_and_compile_nothing_after_the_first_epoch(set
     assert max_diff(eager, weights(folder / f"logs/eager-{mode}/checkpoints/epoch_1.pt")) > 1e-4  # it trained
     # three sequence lengths: a graph for the first, a dynamic one the others reuse; none in epoch 2
     assert per_epoch[0] > 0 and per_epoch[1] == 0, per_epoch
+    log = (folder / f"logs/compiled-{mode}/out.log").read_text()  # logged before the run folder existed
+    assert "torch.compile: the model (inductor), batch dimension dynamic, Inductor on eager's" in log, log[:2000]
 
 
 def test_three_sequence_lengths_recompile_each_frame_once_for_its_shapes(setup, runs):

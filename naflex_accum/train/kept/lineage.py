@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ...errors import UsageError, WriteError
+from ...errors import UsageError, WriteError, writing
 from .checkpoint import checkpoint_files, file_position, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -124,10 +124,8 @@ def start_branch(folder: Path, resumed: Path, where: Tuple[int, int, int]) -> Br
                  f"--resume {branch.dest}/NAME goes back to one of them")
     if staged is not None:
         branch.linked = folder / _name_for(where)
-        try:
+        with writing(branch.linked):
             os.replace(staged, branch.linked)
-        except OSError as exc:
-            raise WriteError(branch.linked, exc) from None
         log.info(f"Linked {resumed} in as {branch.linked}, the start of this line (--resume latest continues it)")
     fsync_dir(folder)
     return branch

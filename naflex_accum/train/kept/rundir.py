@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
-from ...errors import QuietUsageError, UsageError, WriteError
+from ...errors import QuietUsageError, UsageError, WriteError, writing
 from ..output.logs import setup_logging, write_params
 from .checkpoint import MOST_RECENT, load_checkpoint, newest_loadable, position, remove_stale_temps
 from .lineage import abandoned_folders, start_branch
@@ -67,10 +67,8 @@ class RunLock:
         self.path, self.fd = Path(path), None
 
     def acquire(self) -> "RunLock":
-        try:
+        with writing(self.path):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise WriteError(self.path, exc) from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

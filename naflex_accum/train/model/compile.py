@@ -37,8 +37,8 @@ def compile_model(model, args, distributed: bool = False) -> None:
     except RuntimeError as exc:  # an unknown mode or backend: torch's line names the valid ones
         flag = "--torchcompile-mode" if "mode" in str(exc) else "--torchcompile-backend"
         raise UsageError(f"{flag} {mode if flag.endswith('mode') else backend}: {first_line(exc)}") from None
-    log.info(f"torch.compile: the model ({backend}{f', mode {mode}' if mode else ''}), batch dimension dynamic, "
-             f"Inductor on eager's random numbers")
+    log.info(f"torch.compile: the model ({backend}{f', mode {mode}' if mode else ''}), batch dimension dynamic"
+             + (", Inductor on eager's random numbers" if backend == "inductor" else ""))
 
 
 def mark_batch_dynamic(batch) -> None:

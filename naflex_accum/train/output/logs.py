@@ -1,11 +1,12 @@
 """Console, ``out.log``, tensorboard and wandb logging of a run, on rank 0 only.
 
-Invariants: only rank 0 writes; the console line keeps open_clip's shape, and no line shares one with the
-progress bar; epoch averages cover every step without a device read per step; an unwritable file stops the
+Invariants: only rank 0 writes; out.log holds every line rank 0 logged, those from before its run folder
+existed too; the console line keeps open_clip's shape, and no line shares one with the progress bar; epoch averages cover every step without a device read per step; an unwritable file stops the
 run with one line naming it. Scalars keep upstream's names and steps. docs/training.md, "Metrics".
 """
 import json
 import logging
+import logging.handlers
 import sys
 from typing import Dict, Optional
 
@@ -13,7 +14,7 @@ from open_clip_train.train import AverageMeter
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from ...errors import WriteError
+from ...errors import WriteError, writing
 
 LOGGER_NAME = "naflex_accum"
 
@@ -41,6 +42,7 @@ class _ConsoleHandler(logging.StreamHandler):
 
 def setup_logging(log_file=None, is_master: bool = True) -> logging.Logger:
     logger = logging.getLogger(LOGGER_NAME)
+    early = [h for h in logger.handlers if isinstance(h, logging.handlers.MemoryHandler)]
     logger.handlers.clear()
     logger.propagate = False
     logger.setLevel(logging.INFO if is_master else logging.WARNING)
@@ -49,12 +51,15 @@ def setup_logging(log_file=None, is_master: bool = True) -> logging.Logger:
     console.setFormatter(fmt)
     logger.addHandler(console)
     if log_file is not None and is_master:
-        try:
+        with writing(log_file):
             handler = _FileHandler(log_file, mode="a")
-        except OSError as exc:
-            raise WriteError(log_file, exc) from None
         handler.setFormatter(fmt)
         logger.addHandler(handler)
+        for buffered in early:  # what the console showed before the folder existed (the model, compile, resume)
+            buffered.setTarget(handler)
+            buffered.flush()
+    elif is_master:  # held for out.log, never flushed before it has a target
+        logger.addHandler(logging.handlers.MemoryHandler(capacity=1000, flushLevel=logging.CRITICAL + 1))
     return logger
 
 
@@ -77,10 +82,8 @@ class RunLogger:
         self.log, self.is_master, self.writer, self.wandb = logger, is_master, None, wandb_run
         self.results_file = results_file if is_master else None
         if is_master and tensorboard_dir is not None:
-            try:
+            with writing(tensorboard_dir):
                 self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
-            except OSError as exc:
-                raise WriteError(tensorboard_dir, exc) from None
         self.loss_meters: Dict[str, Meter] = {}
         self.first_loss: Optional[float] = None
         self.epoch_losses: list = []  # average training loss of each finished epoch
@@ -127,11 +130,9 @@ class RunLogger:
                            step=step if wandb_step is None else wandb_step)
         if self.writer is None:
             return
-        try:
+        with writing(self.writer.log_dir):
             for key, value in scalars.items():
                 self.writer.add_scalar(f"{prefix}/{key}", value, step)
-        except OSError as exc:
-            raise WriteError(self.writer.log_dir, exc) from None
 
     def _console_line(self, epoch, step_in_epoch, num_steps, info, samples_per_epoch, batch_time, sps, tps):
         done, digits = info["epoch_samples"], len(str(samples_per_epoch))
@@ -166,11 +167,8 @@ class RunLogger:
     def _append_result(self, metrics: Dict[str, float]):
         if self.results_file is None:
             return
-        try:
-            with open(self.results_file, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-        except OSError as exc:
-            raise WriteError(self.results_file, exc) from None
+        with writing(self.results_file), open(self.results_file, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
 
     def flush(self):
         """Tensorboard's pending events to disk (the liveness listener's last act before it ends the process)."""
@@ -184,10 +182,8 @@ class RunLogger:
             run.finish()
         if self.writer is not None:
             writer, self.writer = self.writer, None
-            try:
+            with writing(writer.log_dir):
                 writer.close()
-            except OSError as exc:
-                raise WriteError(writer.log_dir, exc) from None
 
 
 def train_scalars(info: dict, elapsed: float) -> dict:
@@ -205,14 +201,11 @@ def train_scalars(info: dict, elapsed: float) -> dict:
     return scalars
 
 
-def write_params(path, args, log: Optional[logging.Logger] = None) -> None:
+def write_params(path, args) -> None:
     """``name: value`` per flag, sorted, as open_clip's params.txt."""
-    try:
-        with open(path, "w") as f:
-            for name in sorted(vars(args)):
-                f.write(f"{name}: {getattr(args, name)}\n")
-    except OSError as exc:
-        raise WriteError(path, exc) from None
+    with writing(path), open(path, "w") as f:
+        for name in sorted(vars(args)):
+            f.write(f"{name}: {getattr(args, name)}\n")
 
 
 def log_file_only(line: str) -> None:
