@@ -36,7 +36,9 @@ prepare() {
 }
 
 install_kit() {
-    if "$PY" -c "import open_clip, webdataset, braceexpand, simplejpeg, timm" 2>/dev/null; then return; fi
+    # found, not imported: an import of them all costs seconds of the GPU machine's time
+    if "$PY" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, sys.argv[1:])))" \
+            open_clip webdataset braceexpand simplejpeg timm 2>/dev/null; then return; fi
     if ! ls .whl/*.whl >/dev/null 2>&1; then
         echo "gpu_check.sh: packages missing and no wheels in .whl/; run 'bash benchmarks/gpu_check.sh prepare'" \
              "where pip works, then carry .whl" >&2

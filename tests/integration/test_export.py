@@ -40,9 +40,7 @@ def test_a_trained_checkpoint_exported_loads_in_plain_open_clip_and_timm(demo_sh
     assert result["exit_code"] == 0 and checkpoint.is_file()
     cmd = [sys.executable, "-m", "naflex_accum.cli", "export", str(checkpoint), str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    again = subprocess.run(cmd, capture_output=True, text=True, env=SUBPROCESS_ENV, timeout=300)
-    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "is not empty" in again.stderr
+    assert proc.returncode == 0, proc.stderr[-2000:]  # (a second export into it: tests/unit/test_export.py)
 
     g = torch.Generator().manual_seed(0)
     images = [torch.randint(0, 256, (3, 48, 64), dtype=torch.uint8, generator=g) for _ in range(3)]
