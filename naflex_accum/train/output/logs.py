@@ -1,8 +1,9 @@
 """Console, ``out.log``, tensorboard and wandb logging of a run, on rank 0 only.
 
 Invariants: only rank 0 writes; out.log holds every line rank 0 logged, those from before its run folder
-existed too; the console line keeps open_clip's shape, and no line shares one with the progress bar; epoch averages cover every step without a device read per step; an unwritable file stops the
-run with one line naming it. Scalars keep upstream's names and steps. docs/training.md, "Metrics".
+existed too; the console line keeps open_clip's shape, and no line shares one with the progress bar; epoch
+averages cover every step without a device read per step; an unwritable file stops the run with one line
+naming it. Scalars keep upstream's names and steps. docs/training.md, "Metrics".
 """
 import json
 import logging
