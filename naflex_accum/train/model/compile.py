@@ -3,7 +3,7 @@
 Invariants: compiled in place before DDP (state_dict keys are the model's own); Inductor's ``fallback_random``
 draws eager's masks from the same RNG state, so the accumulation replay holds compiled; with the batch
 dimension dynamic and the recompile limit raised, nothing compiles after the first epoch and no length falls
-back to eager; DDP's graph split is off under ``--grad-checkpointing``, as upstream. docs/training.md,
+back to eager; under DDP, dynamo's graph split at DDP's buckets is off. docs/training.md,
 "torch.compile".
 """
 import logging
@@ -21,7 +21,7 @@ TORCH_RECOMPILE_LIMIT = 8  # torch.compile's default; never lowered
 
 def compile_model(model, args, distributed: bool = False) -> None:
     """``model.compile()`` in place, the run's backend and mode; recompile limit set for its sequence lengths."""
-    if distributed and args.grad_checkpointing:
+    if distributed:  # the trainer's DDP has a bucket per parameter (train/main.py): the split refuses it
         dynamo_config.optimize_ddp = False
     graphs = 2 * len(args.naflex_seq_lens) * len(args.naflex_patch_sizes) + 2  # grad modes; eval
     backend, mode = args.torchcompile_backend or "inductor", args.torchcompile_mode
