@@ -113,4 +113,7 @@ def _version() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(entry())
+    try:  # a Ctrl-C as entry() starts, before its own try
+        sys.exit(entry())
+    except KeyboardInterrupt:
+        sys.exit(interrupted(_prog(sys.argv[1:])))

@@ -45,4 +45,7 @@ def entry() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(entry())
+    try:  # a Ctrl-C as entry() starts, before its own try
+        sys.exit(entry())
+    except KeyboardInterrupt:
+        sys.exit(interrupted(PROG))

@@ -136,6 +136,27 @@ EARLY = {"verify": COMMANDS["verify"], "openclip": COMMANDS["openclip"],
                              "naflex-accum train")}
 
 
+# runs a ``python -m`` module with a SIGINT raised as its ``entry()`` starts, before entry's own try: the moment
+# a Ctrl-C landed on by chance in test_ctrl_c_as_early_as_possible below, made certain
+AT_ENTRY = """import os, runpy, signal, sys
+def hook(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "entry":
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGINT)
+sys.argv[0] = sys.argv[1]
+sys.setprofile(hook)
+runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("module,prog", [("naflex_accum.openclip", "naflex_accum.openclip"),
+                                         ("naflex_accum.train", "naflex-accum train"), ("naflex_accum.cli", "naflex-accum")])
+def test_ctrl_c_as_the_entry_point_starts_is_the_one_line(module, prog):
+    proc = subprocess.run([sys.executable, "-c", AT_ENTRY, module], capture_output=True, text=True, timeout=120,
+                          env=SUBPROCESS_ENV)
+    assert (proc.returncode, proc.stderr.strip(), proc.stdout) == (130, f"{prog}: interrupted", ""), proc.stderr
+
+
 def early_ctrl_c(cmd, log: Path, delay: float):
     """``cmd`` with a Ctrl-C ``delay`` seconds after its start: ``(exit status, output)``."""
     proc = start(cmd, log)

@@ -69,9 +69,7 @@ class Meter(AverageMeter):
 
     def add(self, total: float, n: int, last: float):
         """``n`` more samples whose values sum to ``total``; ``last`` is the newest value."""
-        self.val = last
-        self.sum += total
-        self.count += n
+        self.val, self.sum, self.count = last, self.sum + total, self.count + n
         self.avg = self.sum / max(1, self.count)
 
 
