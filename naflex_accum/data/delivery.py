@@ -7,6 +7,7 @@ the next batch; unusable samples are counted, logged one by one up to ``LOG_LIMI
 import functools
 import gc
 import logging
+import multiprocessing
 import signal
 from typing import Dict, Iterator, Optional
 
@@ -15,6 +16,7 @@ import torch
 from ..interrupt import deferred
 from .alarm import bounded
 from .handover import Receiver
+from .pipes import die_with
 from .workers import context, lost, of, raise_pending, read_failed, register as register_workers
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,10 @@ def freeze_heap() -> None:
 
 def init_worker(worker_id: int) -> None:
     """Freeze the inherited heap, and leave stopping to the main process: a SIGTERM, SIGUSR1 or SIGINT sent to
-    the whole process group (SLURM, Kubernetes, a terminal) must not kill a worker under it, nor make it print."""
+    the whole process group (SLURM, Kubernetes, a terminal) must not kill a worker under it, nor make it print.
+    A worker dies with its process (a killed rank's copies of its connections close with it, even mid-read)."""
     freeze_heap()
+    die_with(multiprocessing.parent_process().pid, signal.SIGKILL)
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
 

@@ -48,15 +48,20 @@ def _libc_prctl():
 _PRCTL = _libc_prctl()  # looked up once, here: between fork and exec the child only calls it
 
 
+def die_with(parent: int, sig: int) -> None:
+    """This process gets ``sig`` once ``parent``, the process that started it, ends (Linux): at once if it has."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # it ended before the signal was armed
+            os._exit(1)
+
+
 def _in_child(parent: int) -> None:
     """subprocess's ``preexec_fn``: between fork and exec, in the command's process."""
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the reader died before the signal was armed
-            os._exit(1)
+    die_with(parent, signal.SIGTERM)
 
 
 def _status_text(status: int) -> str:

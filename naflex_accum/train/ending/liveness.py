@@ -9,13 +9,12 @@ docs/distributed.md, "When a rank fails, freezes or is killed".
 import contextlib
 import json
 import logging
-import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable, List, Optional
@@ -97,29 +96,24 @@ class Liveness:
         self.context: Callable[[], str] = lambda: "nothing was trained; run it again"
         self.flushers: List[Callable[[], None]] = []  # what to flush if the listener ends the process
         self.signals = Signals(ends_process)
-        _FORKING_RANK[0] = True
         self.thread = threading.Thread(target=self.run, name="naflex-accum-listener", daemon=True)
         self.thread.start()
 
     def ask(self, fn):
         """``fn()`` on the store; ``ConnectionError`` when its host is gone, ``TimeoutError`` when it gives no answer
         within ``ACK_WAIT`` (the store's own timeout does not bound a call to a frozen host)."""
-        box = {}
+        answer = Future()
 
         def call():
             try:
-                box["value"] = fn()
+                answer.set_result(fn())
             except BaseException as exc:  # handed to the caller's thread
-                box["error"] = exc
-        helper = threading.Thread(target=call, daemon=True)
-        helper.start()
-        helper.join(ACK_WAIT)
-        done = dict(box)  # as it stood at the deadline (a late answer changes nothing)
-        if "value" not in done and ("error" not in done or isinstance(done["error"], dist.DistError)):
-            raise (ConnectionError if "error" in done else TimeoutError)("the job's store")
-        if "error" in done:
-            raise done["error"]
-        return done["value"]
+                answer.set_exception(exc)
+        threading.Thread(target=call, daemon=True).start()
+        try:
+            return answer.result(ACK_WAIT)  # a late answer changes nothing
+        except dist.DistError:
+            raise ConnectionError("the job's store") from None
 
     def record(self, failure: Failure) -> Failure:
         """``failure`` recorded unless one is already; the first either way."""
@@ -248,7 +242,6 @@ class Liveness:
                 with contextlib.suppress(*STUCK):
                     self.seen(list(range(1, self.world_size)), self.timeout)
         self.signals.restore(unread=not self.thread.is_alive())
-        _FORKING_RANK[0] = False
 
     def run(self) -> None:
         while not self.closed.is_set():  # roll calls are answered while the main thread ends too
@@ -290,32 +283,10 @@ class Liveness:
 
 
 def end_process(code: int, flushers=()) -> None:
-    """Exit now, from the listener (the main thread is blocked or busy): logs flushed, no loader worker left."""
-    for child in multiprocessing.active_children():
-        child.kill()
+    """Exit now, from the listener (the main thread is blocked or busy), logs flushed (loader workers die with it:
+    ``die_with``)."""
     for flush in [*flushers, *(h.flush for h in logging.getLogger(LOGGER_NAME).handlers), sys.stdout.flush,
                   sys.stderr.flush]:
         with contextlib.suppress(Exception):  # an unwritable log must not keep the process from ending
             flush()
     os._exit(code)
-
-
-_FORKING_RANK = [False]  # this process is a rank of a run of several processes
-
-
-def _leave_connections_behind() -> None:
-    """In a child forked from a rank (a loader worker): close its copies of the rank's network connections, so
-    that the rank's death closes them for its peers at once (a store call would hang meanwhile)."""
-    if not _FORKING_RANK[0]:
-        return
-    try:
-        fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:  # not Linux: the children keep them, and a rank's death is seen when they end
-        return
-    for fd in fds:
-        with contextlib.suppress(OSError):  # not a socket (or the listing's own descriptor, closed by now)
-            sock = socket.socket(fileno=fd)
-            (sock.close if sock.family in (socket.AF_INET, socket.AF_INET6) else sock.detach)()
-
-
-os.register_at_fork(after_in_child=_leave_connections_behind)
