@@ -96,14 +96,15 @@ def test_both_sbatch_scripts_share_their_events_and_requeues():
     assert parts[0] == parts[1] and "# ---- end of the shared part ----" in parts[0]
 
 
-def fake_slurm(tmp_path, srun_body: str) -> dict:
+def fake_slurm(tmp_path, srun_body: str, scontrol_body: str = "") -> dict:
     """A bin folder with a fake ``srun`` (``srun_body``, its argv saved to srun.args) and ``scontrol``
-    (calls saved to scontrol.calls; ``show hostnames`` prints localhost); the environment to run under."""
+    (calls saved to scontrol.calls; ``show hostnames`` prints localhost; then ``scontrol_body``); the environment
+    to run under."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/srun.args\n{srun_body}\n')
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.calls\n'
-                                      '[ "$1" = show ] && echo localhost\nexit 0\n')
+                                      f'[ "$1" = show ] && echo localhost\n{scontrol_body}\nexit 0\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     return {**os.environ, **SLURM, **PYTHONPATH, "PATH": f"{bin_dir}:{os.environ['PATH']}",
@@ -129,6 +130,22 @@ def test_builtin_trainer_that_does_not_stop_is_requeued_after_the_grace_period(t
     out, _ = proc.communicate(timeout=30)
     assert (tmp_path / "logs/clip-4242/STOP").is_file()
     assert "had not stopped 2s after SIGUSR1" in out and calls(tmp_path).count("requeue 4242") == 1
+
+
+def test_slurms_own_sigterm_for_the_scripts_requeue_is_no_event(tmp_path):
+    """SLURM's requeue signals every process of the job, scontrol and the script too, sometimes before scontrol
+    has returned: no "Terminated" from bash, no "requeue failed", no SIGTERM event after the script's own requeue
+    (here scontrol sends the SIGTERM itself, before it returns)."""
+    env = fake_slurm(tmp_path, f'until [ -e {tmp_path}/logs/clip-4242/STOP ]; do sleep 0.1; done\n'
+                               'printf "75\\nsaved\\n" > "$NAFLEX_ACCUM_EXIT_FILE"; exit 75',
+                     scontrol_body='[ "$1" = requeue ] && kill -TERM "$PPID" $$ && sleep 0.3')
+    proc = start_job(env, cwd=tmp_path)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 75 and calls(tmp_path).count("requeue 4242") == 1, out
+    assert out.splitlines()[-1].endswith("requeueing: the trainer saved after SIGUSR1"), out
+    assert "Terminated" not in out and "failed" not in out and "SIGTERM" not in out, out
 
 
 @pytest.mark.parametrize("script", ["slurm.sbatch", "slurm_srun.sbatch"])
