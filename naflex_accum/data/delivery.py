@@ -76,9 +76,11 @@ def freeze_heap() -> None:
 def init_worker(worker_id: int) -> None:
     """Freeze the inherited heap, and leave stopping to the main process: a SIGTERM, SIGUSR1 or SIGINT sent to
     the whole process group (SLURM, Kubernetes, a terminal) must not kill a worker under it, nor make it print.
-    A worker dies with its process (a killed rank's copies of its connections close with it, even mid-read)."""
+    A worker started by the main thread dies with its process (a killed rank's copies of its connections close
+    with it, even mid-read)."""
     freeze_heap()
-    die_with(multiprocessing.parent_process().pid, signal.SIGKILL)
+    if getattr(multiprocessing.current_process(), "dies_with_parent", False):
+        die_with(multiprocessing.parent_process().pid, signal.SIGKILL)
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
 

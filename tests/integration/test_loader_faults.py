@@ -148,3 +148,22 @@ def test_a_worker_killed_mid_read_is_named_not_reported_as_a_connection_reset():
     assert "killed: failure: loader worker 0 of 1 (pid " in out and "was killed by SIGKILL" in out, out
     assert "alive: raised ConnectionResetError" in out and "alive: failure: None" in out, out
     assert "pinned: failure: loader worker 0 of 1 (pid " in out, out
+
+
+def test_workers_started_by_a_thread_that_ends_live_on():
+    """Linux's parent-death signal, which kills a worker with its process, fires when the thread that forked the
+    worker ends: a loader first iterated in a thread that then ends keeps its workers (red when they take it)."""
+    import threading
+
+    from naflex_accum.data.delivery import torch_loader
+
+    loader, box = torch_loader(list(range(6)), workers=1, pin_memory=False, persistent=True), {}
+
+    def first():  # the worker has started (and armed the signal, if it takes it) once its first batch is here
+        box["batches"] = iter(loader)
+        box["first"] = next(box["batches"])
+    thread = threading.Thread(target=first)
+    thread.start()
+    thread.join()
+    time.sleep(0.5)  # the signal, had the worker taken it, has come by now
+    assert [box["first"], *box["batches"]] == list(range(6))
