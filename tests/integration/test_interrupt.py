@@ -22,6 +22,16 @@ DRIVER_ENV = {**SUBPROCESS_ENV, "PYTHONPATH": str(TESTS) + os.pathsep + SUBPROCE
 CONSOLE_SCRIPT = Path(sys.executable).with_name("naflex-accum")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ctrl_c_as_in_a_terminal():
+    """A terminal's command starts with SIGINT at its default. Started in the background (``make test &``) or
+    under nohup, this process has it ignored, and its commands would inherit that (the trainer keeps an ignored
+    SIGINT ignored, as nohup asks): a handler here is not inherited, so they start as in a terminal."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     return reference(tmp_path_factory)
