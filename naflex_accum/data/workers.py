@@ -31,8 +31,10 @@ def context() -> multiprocessing.context.BaseContext:
     class Recording(type(base)):
         def Process(self, *args, **kwargs):  # how a DataLoader iterator makes each of its workers
             process = base.Process(*args, **kwargs)
-            # the parent-death signal fires when the thread that forked ends: only the main thread's workers take it
-            process.dies_with_parent = threading.current_thread() is threading.main_thread()
+            # the parent-death signal fires when the thread that forked ends: only the main thread's workers take it,
+            # and not a forkserver's (their parent is the server)
+            process.dies_with_parent = (threading.current_thread() is threading.main_thread()
+                                        and base.get_start_method() != "forkserver")
             self.processes.append(process)
             return process
     recording = Recording()

@@ -167,3 +167,15 @@ def test_workers_started_by_a_thread_that_ends_live_on():
     thread.join()
     time.sleep(0.5)  # the signal, had the worker taken it, has come by now
     assert [box["first"], *box["batches"]] == list(range(6))
+
+
+def test_a_forkserver_loader_delivers_every_batch(monkeypatch):
+    """Under forkserver (Python 3.14's default on Linux) a worker's parent is the server, not the loader's process:
+    it takes no parent-death signal (red: every worker exited 1 as it started)."""
+    import multiprocessing
+
+    from naflex_accum.data.delivery import torch_loader
+
+    default = multiprocessing.get_context
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method=None: default(method or "forkserver"))
+    assert list(torch_loader(list(range(6)), workers=1, pin_memory=False)) == list(range(6))

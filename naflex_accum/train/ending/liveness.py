@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent import futures
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable, List, Optional
@@ -31,7 +31,7 @@ ROLL_CALL = 8.0  # seconds a roll call waits for every rank's answer
 ACK_WAIT = 10.0  # the most a store call, or a wait for a rank to say it has seen the failure, takes
 TAKEOVER = 5.0  # seconds the main thread gets to end the process itself once the listener knows the failure
 # What a collective raises when a peer is gone or does not answer (gloo's errors name its sources)
-COMM_MARKERS = ("/gloo/", "Connection reset by peer", "Connection closed by peer", "NCCL")
+COMM_MARKERS = ("/gloo/", "Connection reset by peer", "Connection closed by peer", "caused pair closure", "NCCL")
 STUCK = (TimeoutError, ConnectionError)  # what a store call raises when the store gives no answer, or is gone
 
 
@@ -102,7 +102,7 @@ class Liveness:
     def ask(self, fn):
         """``fn()`` on the store; ``ConnectionError`` when its host is gone, ``TimeoutError`` when it gives no answer
         within ``ACK_WAIT`` (the store's own timeout does not bound a call to a frozen host)."""
-        answer = Future()
+        answer = futures.Future()
 
         def call():
             try:
@@ -112,6 +112,8 @@ class Liveness:
         threading.Thread(target=call, daemon=True).start()
         try:
             return answer.result(ACK_WAIT)  # a late answer changes nothing
+        except futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            raise TimeoutError("the job's store") from None
         except dist.DistError:
             raise ConnectionError("the job's store") from None
 

@@ -1,7 +1,7 @@
-"""--dist-timeout, how long a collective waits on a peer (train/ending/distributed.py): seconds above 0, else one line.
+"""--dist-timeout, how long a collective waits on a peer (train/ending/distributed.py): seconds above 0, else one line;
+and two pieces of train/ending/liveness.py: a store call's bound, and which collective errors are a peer's.
 
-The ranks themselves (a rank that fails, freezes or is killed: train/ending/liveness.py) run for real in
-integration/test_rank_failures.py.
+The ranks themselves (a rank that fails, freezes or is killed) run for real in integration/test_rank_failures.py.
 """
 
 import pytest
@@ -14,3 +14,38 @@ def test_dist_timeout_must_be_seconds_above_0(value):
 
     with pytest.raises(UsageError, match=r"--dist-timeout must be a number of seconds > 0"):
         parse_args(["--train-data", "x.tar", "--dist-timeout", value])
+
+
+def test_a_store_call_without_an_answer_is_stuck_on_every_python(monkeypatch):
+    """Future.result's timeout is the builtin TimeoutError only from Python 3.11 (on 3.10 it escaped ``STUCK``: a
+    frozen store host gave a traceback and exit 1); a store's own error is a ``ConnectionError``."""
+    import concurrent.futures
+    import threading
+
+    import torch.distributed as dist
+
+    from naflex_accum.train.ending import liveness
+
+    class FutureTimeout(Exception):  # Python 3.10's concurrent.futures.TimeoutError
+        pass
+    monkeypatch.setattr(concurrent.futures, "TimeoutError", FutureTimeout)
+    monkeypatch.setattr(concurrent.futures._base, "TimeoutError", FutureTimeout)
+    monkeypatch.setattr(liveness, "ACK_WAIT", 0.1)
+    ask, release = liveness.Liveness.ask.__get__(object.__new__(liveness.Liveness)), threading.Event()
+    with pytest.raises(TimeoutError, match="the job's store"):
+        ask(lambda: release.wait(10))
+    release.set()
+
+    def closed():
+        raise dist.DistError("connection closed")
+    with pytest.raises(ConnectionError):
+        ask(closed)
+    assert ask(lambda: 7) == 7
+
+
+def test_a_collective_that_a_timeout_closed_is_a_peers_failure_not_a_bug():
+    """What gloo raises on a rank that comes back from a freeze (SIGSTOP) after its peers timed out."""
+    from naflex_accum.train.ending.liveness import own_failure
+
+    assert own_failure(RuntimeError("Application timeout caused pair closure"), 0) is None
+    assert own_failure(RuntimeError("an injected bug"), 0).code == 1
