@@ -9,6 +9,7 @@ docs/distributed.md, "When a rank fails, freezes or is killed".
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -285,8 +286,10 @@ class Liveness:
 
 
 def end_process(code: int, flushers=()) -> None:
-    """Exit now, from the listener (the main thread is blocked or busy), logs flushed (loader workers die with it:
-    ``die_with``)."""
+    """Exit now, from the listener (the main thread is blocked or busy): logs flushed, no loader worker left (those
+    that take the parent-death signal would go anyway; a forkserver's would not)."""
+    for child in multiprocessing.active_children():
+        child.kill()
     for flush in [*flushers, *(h.flush for h in logging.getLogger(LOGGER_NAME).handlers), sys.stdout.flush,
                   sys.stderr.flush]:
         with contextlib.suppress(Exception):  # an unwritable log must not keep the process from ending
