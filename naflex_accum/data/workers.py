@@ -222,6 +222,8 @@ def stop(processes) -> None:
     for iterator, group in list(_LIVE.items()):
         if any(w in group for w in processes):
             del _LIVE[iterator]
+            _kill(group)  # all of them: one killed inside its done event's is_set() holds the event's lock for ever,
+            iterator._workers_done_event = threading.Event()  # so the shutdown sets a new one (no worker reads it)
             try:  # torch shuts an iterator's workers down from its __del__ only: at a chosen moment, by this
                 iterator._shutdown_workers()  # (it also unregisters their pids from torch's SIGCHLD handler)
             except Exception:  # its queues may be broken by a failure; the processes are gone either way

@@ -179,3 +179,28 @@ def test_a_forkserver_loader_delivers_every_batch(monkeypatch):
     default = multiprocessing.get_context
     monkeypatch.setattr(multiprocessing, "get_context", lambda method=None: default(method or "forkserver"))
     assert list(torch_loader(list(range(6)), workers=1, pin_memory=False)) == list(range(6))
+
+
+def test_stopping_workers_one_of_which_was_killed_holding_their_done_events_lock_returns():
+    """A worker killed inside ``done_event.is_set()`` (the event's lock held) hung the shutdown that followed for
+    ever (a fresh-clone run's test_data_epochs stopped there, torch's ``_workers_done_event.set()``)."""
+    import multiprocessing
+    import threading
+
+    from naflex_accum.data import workers
+    from naflex_accum.data.delivery import torch_loader
+
+    loader = torch_loader(list(range(64)), workers=2, pin_memory=False, persistent=True)
+    iterator = iter(loader)
+    workers.register(iterator, workers.of(loader))
+    next(iterator)
+    holder = multiprocessing.get_context("fork").Process(target=lambda: iterator._workers_done_event._cond.acquire()
+                                                         or time.sleep(60))  # stands for a worker inside is_set()
+    holder.start()
+    time.sleep(1.0)
+    holder.kill()
+    holder.join()
+    stopping = threading.Thread(target=workers.stop, args=(workers.of(loader),), daemon=True)
+    stopping.start()
+    stopping.join(30)
+    assert not stopping.is_alive(), "stopping the workers hangs on the done event's lock"
