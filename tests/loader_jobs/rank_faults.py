@@ -9,8 +9,9 @@ loader decoded BREAK_AFTER of them, and its loader gives up after 5 failures in 
 corrupt data set gives; the other rank's data is sound). FAIL_AT_START: rank R raises a UsageError
 while it builds its data loader (the other rank is then in its first collective, or ahead); ``all``:
 every rank raises the same one; ``bug:R``: rank R raises a TypeError. SLOW_START: every rank takes that
-many seconds longer to build its loader. SLOW: rank 0's first checkpoint write takes SLOW seconds longer;
-SLOW_EVAL: so does each of its evaluations. LATE: rank 0 starts its command that many seconds late (a slower node).
+many seconds longer to build its loader. SLOW: rank 0's first checkpoint write takes SLOW seconds longer
+(it touches FOLDER/slow.started as it begins); SLOW_EVAL: so does each of its evaluations. LATE: rank 0
+starts its command that many seconds late (a slower node).
 """
 import os
 import sys
@@ -74,6 +75,7 @@ if slow and rank == 0:
     def save_checkpoint(*args, **kwargs):
         saves[0] += 1
         if saves[0] == 1:
+            (record / "slow.started").touch()
             time.sleep(slow)
         return real_save(*args, **kwargs)
     saver.save_checkpoint = save_checkpoint

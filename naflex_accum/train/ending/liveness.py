@@ -2,9 +2,9 @@
 
 Invariants: a rank waits on its peers as long as torch's collective timeout (``World`` sets it per phase). The
 first failure recorded (one line naming its rank, its exit class) is every rank's, printed once by rank 0 (rank 1
-when rank 0 is gone). Each rank's listener thread answers roll calls (which ranks are gone or frozen), hears SIGTERM
-at once and ends its process when the main thread cannot. No store call waits past ``ACK_WAIT``.
-docs/distributed.md, "When a rank fails, freezes or is killed".
+when rank 0 is gone). Each rank's listener thread beats in the store every second, as a rank in a roll call does
+(no beat in ``ROLL_CALL`` s: gone or frozen), hears SIGTERM at once and ends its process when the main thread cannot.
+No store call waits past ``ACK_WAIT``. docs/distributed.md, "When a rank fails, freezes or is killed".
 """
 import contextlib
 import json
@@ -22,13 +22,13 @@ from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
-from ...errors import QuietUsageError, UsageError, first_line, last_word
+from ...errors import QuietUsageError, UsageError, first_line, last_word, record_exit
 from ...interrupt import EXIT_INTERRUPTED
 from .exits import EXIT_LOADER, transient
-from ..output.logs import LOGGER_NAME, log_file_only
+from ..output.logs import log_file_only
 from .preempt import EXIT_STOPPED, Signals
 
-ROLL_CALL = 8.0  # seconds a roll call waits for every rank's answer
+ROLL_CALL = 8.0  # seconds a roll call waits for every rank's beat
 ACK_WAIT = 10.0  # the most a store call, or a wait for a rank to say it has seen the failure, takes
 TAKEOVER = 5.0  # seconds the main thread gets to end the process itself once the listener knows the failure
 # What a collective raises when a peer is gone or does not answer (gloo's errors name its sources)
@@ -50,13 +50,8 @@ class Failure:
     rank: int  # the rank that failed
     code: int  # the exit class every rank ends with
     line: str  # one line, naming the rank
-    alive: bool = True  # the failing rank recorded it itself
     text: str = ""  # a UsageError's own message: ranks that met the same one print it once, bare
-
-    @property
-    def announcer(self) -> int:
-        """The rank that prints it: rank 0, unless rank 0 is the rank that is gone."""
-        return 1 if self.rank == 0 and not self.alive else 0
+    announcer: int = 0  # the rank that prints it: rank 0, unless rank 0 is the rank that is gone
 
 
 def own_failure(exc: BaseException, rank: int) -> Optional[Failure]:
@@ -90,63 +85,58 @@ class Liveness:
         client = dist.TCPStore(*address, None, is_master=False, timeout=timedelta(seconds=ACK_WAIT),
                                 wait_for_workers=False)
         self.store = dist.PrefixStore(f"naflex_accum/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
-        self.lock, self.closed = threading.Lock(), threading.Event()
+        self.lock, self.closed, self.once = threading.Lock(), threading.Event(), threading.Lock()
         self.decision: Optional[Failure] = None
         self.ending = threading.Event()  # the main thread began ending (it then ends the process itself)
-        self.announced, self.answered, self.gone = False, 0, set()
+        self.gone = set()
         self.context: Callable[[], str] = lambda: "nothing was trained; run it again"
         self.flushers: List[Callable[[], None]] = []  # what to flush if the listener ends the process
         self.signals = Signals(ends_process)
         self.thread = threading.Thread(target=self.run, name="naflex-accum-listener", daemon=True)
         self.thread.start()
 
-    def ask(self, fn):
-        """``fn()`` on the store; ``ConnectionError`` when its host is gone, ``TimeoutError`` when it gives no answer
-        within ``ACK_WAIT`` (the store's own timeout does not bound a call to a frozen host)."""
+    def ask(self, fn, limit: Optional[float] = None):
+        """``fn()`` on the store; ``ConnectionError`` when its host is gone (or a ``wait`` timed out), ``TimeoutError``
+        without an answer in ``limit`` s (default ``ACK_WAIT``: the store's own timeout does not bound a frozen host)."""
         answer = futures.Future()
 
         def call():
             try:
                 answer.set_result(fn())
+            except dist.DistError:
+                answer.set_exception(ConnectionError("the job's store"))
             except BaseException as exc:  # handed to the caller's thread
                 answer.set_exception(exc)
         threading.Thread(target=call, daemon=True).start()
         try:
-            return answer.result(ACK_WAIT)  # a late answer changes nothing
+            return answer.result(limit or ACK_WAIT)  # a late answer changes nothing
         except futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise TimeoutError("the job's store") from None
-        except dist.DistError:
-            raise ConnectionError("the job's store") from None
 
-    def record(self, failure: Failure) -> Failure:
-        """``failure`` recorded unless one is already; the first either way."""
-        raw = self.ask(lambda: self.store.compare_set("failure", "", json.dumps(asdict(failure))))
-        return Failure(**json.loads(raw))
-
-    def first(self) -> Optional[Failure]:
-        raw = self.ask(lambda: self.store.get("failure") if self.store.check(["failure"]) else None)
+    def record(self, failure: Optional[Failure] = None) -> Optional[Failure]:
+        """``failure`` recorded unless one is already; the first either way (None: none, and none given)."""
+        mine = json.dumps(asdict(failure)) if failure else ""
+        raw = self.ask(lambda: self.store.compare_set("failure", "", mine))
         return Failure(**json.loads(raw)) if raw else None
 
-    def missing(self) -> List[int]:
-        """A roll call: the ranks that do not answer within ``ROLL_CALL`` seconds."""
-        n, others = self.ask(lambda: self.store.add("roll", 1)), set(range(self.world_size)) - {self.rank}
-        deadline, key = time.monotonic() + ROLL_CALL, f"here/{n}"
-        while True:
-            raw = self.ask(lambda: self.store.get(key) if self.store.check([key]) else b"")
-            absent = others - {int(r) for r in bytes(raw).decode().split(",") if r}
-            if not absent or time.monotonic() > deadline:
-                self.gone |= absent
-                return sorted(absent)
-            time.sleep(0.2)
+    def beats(self) -> List[int]:
+        """Every rank's beats so far, this rank's one more."""
+        return self.ask(lambda: [self.store.add(f"beat/{r}", int(r == self.rank)) for r in range(self.world_size)])
 
-    def seen(self, ranks: List[int], limit: float) -> bool:
-        """Whether ``ranks`` (those not gone) said within ``limit`` s that they are done with the store."""
-        keys, deadline = [f"seen/{r}" for r in ranks if r not in self.gone], time.monotonic() + limit
-        while not self.ask(lambda: self.store.check(keys)):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-        return True
+    def missing(self) -> List[int]:
+        """A roll call: the other ranks that do not beat within ``ROLL_CALL`` seconds."""
+        before, deadline = self.beats(), time.monotonic() + ROLL_CALL
+        while True:
+            time.sleep(0.2)
+            absent = [r for r, (a, b) in enumerate(zip(before, self.beats())) if a == b and r != self.rank]
+            if not absent or time.monotonic() > deadline:
+                self.gone |= set(absent)
+                return absent
+
+    def seen(self, ranks: List[int], limit: float) -> None:
+        """Return once ``ranks`` (those not gone) said that they are done with the store; ``STUCK`` past ``limit`` s."""
+        keys = [f"seen/{r}" for r in ranks if r not in self.gone]
+        self.ask(lambda: self.store.wait(keys, timedelta(seconds=limit)), limit + 1)
 
     def decide(self, failure: Failure) -> Failure:
         """``failure`` becomes this rank's decision unless there is one; the decision."""
@@ -172,8 +162,8 @@ class Liveness:
             self.announce(first)
         self.done()
         try:
-            if own and self.rank != 0 and first.rank == self.rank and first.code != 1 and not self.seen([0], ACK_WAIT):
-                self.announce(first)  # rank 0 is not there to print it
+            if own and self.rank != 0 and first.rank == self.rank and first.code != 1:
+                self.seen([0], ACK_WAIT)  # else rank 0 is not there to print it
             if self.hosts_store:
                 self.seen(list(range(1, self.world_size)), ACK_WAIT)
         except STUCK:
@@ -187,11 +177,9 @@ class Liveness:
 
     def after_comm_error(self, exc: BaseException) -> Failure:
         """The failure behind a collective that broke: a peer's record, else the ranks that miss a roll call."""
-        recorded = self.first()
-        if recorded is not None:
-            return recorded
-        missing, waited = self.missing(), "imed out" in str(exc) or "timeout" in str(exc).lower()
-        recorded, after = self.first(), f"{self.context()} (exit {EXIT_LOADER})"
+        missing = [] if self.record() else self.missing()  # a failure recorded: no roll call to wait out
+        recorded, after = self.record(), f"{self.context()} (exit {EXIT_LOADER})"
+        waited = "imed out" in str(exc) or "timeout" in str(exc).lower()
         if recorded is not None:
             return recorded
         if missing and waited:
@@ -203,7 +191,8 @@ class Liveness:
             line = (f"rank {self.rank}: a collective " + (f"waited --dist-timeout ({self.timeout:g} s)" if waited else
                     f"failed ({first_line(exc)})") + " while every rank answers a roll call (one stuck in I/O, or in a "
                     f"loader slower than --data-timeout?); {after}")
-        return self.record(Failure(missing[0] if missing else self.rank, EXIT_LOADER, line, alive=not missing))
+        return self.record(Failure(missing[0] if missing else self.rank, EXIT_LOADER, line,
+                                   announcer=int(missing[:1] == [0])))
 
     def store_gone(self, stuck: OSError) -> Failure:
         """This rank's own account when the store is gone or stuck: so is its host (rank 0 under srun)."""
@@ -211,16 +200,14 @@ class Liveness:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
             return Failure(0, EXIT_LOADER, (f"rank 0 ended without a word (killed? the OOM killer sends SIGKILL)" if
                            gone else f"rank 0 stopped answering: the job's store it serves gave no answer for "
-                           f"{ACK_WAIT:g} s (a stopped or frozen process)") + f"; {after}", alive=False)
+                           f"{ACK_WAIT:g} s (a stopped or frozen process)") + f"; {after}", announcer=1)
         return Failure(self.rank, EXIT_LOADER, f"the job's store at {self.address[0]}:{self.address[1]} (torchrun's "
                        f"agent on rank 0's node) {'closed' if gone else 'does not answer'}: the launcher or the job "
                        f"ended around this rank; {after}")
 
     def announce(self, failure: Failure) -> None:
-        with self.lock:
-            if self.announced:
-                return
-            self.announced = True
+        if not self.once.acquire(blocking=False):  # announced already
+            return
         print(self.told(failure), file=sys.stderr, flush=True)
         if self.rank == 0:
             with contextlib.suppress(Exception):  # out.log unwritable: stderr has the line, and nothing may hide it
@@ -247,14 +234,11 @@ class Liveness:
         self.signals.restore(unread=not self.thread.is_alive())
 
     def run(self) -> None:
-        while not self.closed.is_set():  # roll calls are answered while the main thread ends too
+        while not self.closed.is_set():  # beating on while the main thread ends too
             caught = self.signals.wait(1.0)
             try:
-                first = self.first()
-                n = self.ask(lambda: self.store.add("roll", 0))
-                for k in range(self.answered + 1, n + 1):
-                    self.ask(lambda: self.store.append(f"here/{k}", f"{self.rank},"))
-                self.answered = n
+                first = self.record()
+                self.beats()
                 if first is None and caught and not self.ending.is_set():
                     first = self.signalled(caught[0])
             except STUCK as stuck:
@@ -264,12 +248,13 @@ class Liveness:
 
     def signalled(self, signum: int) -> Optional[Failure]:
         """A SIGTERM or SIGUSR1: with a rank not answering nothing can be saved; during start-up, a stop."""
-        ours = self.signals.ours(signum)  # the loop's StopRequest does not hold it yet: nothing to save
+        ours = signal.getsignal(signum) is self.signals.handler  # the loop's StopRequest has not taken it over
         missing, name, after = self.missing(), signal.Signals(signum).name, self.context()
         if missing:
             return self.record(Failure(missing[0], EXIT_LOADER, (
                 f"{ranks_text(missing)} has not answered for {ROLL_CALL:g} s (killed or frozen) and rank {self.rank} "
-                f"got {name}: nothing can be saved without every rank; {after} (exit {EXIT_LOADER})"), alive=False))
+                f"got {name}: nothing can be saved without every rank; {after} (exit {EXIT_LOADER})"),
+                announcer=int(missing[0] == 0)))
         if ours:
             return self.record(Failure(self.rank, EXIT_STOPPED, f"rank {self.rank} got {name} during start-up; "
                                        f"{after} (exit {EXIT_STOPPED})"))
@@ -278,6 +263,7 @@ class Liveness:
     def conclude(self, failure: Failure) -> None:
         """End this rank with ``failure`` (the main thread, if it begins to within ``TAKEOVER``, does)."""
         failure = self.decide(failure)
+        last_word(self.told(failure))
         if self.rank == failure.announcer:
             self.announce(failure)
         self.done()
@@ -286,12 +272,11 @@ class Liveness:
 
 
 def end_process(code: int, flushers=()) -> None:
-    """Exit now, from the listener (the main thread is blocked or busy): logs flushed, no loader worker left (those
-    that take the parent-death signal would go anyway; a forkserver's would not)."""
+    """Exit now, from the listener (the main thread is blocked or busy): the exit file and logs written, no loader
+    worker left (those that take the parent-death signal would go anyway; a forkserver's would not)."""
     for child in multiprocessing.active_children():
         child.kill()
-    for flush in [*flushers, *(h.flush for h in logging.getLogger(LOGGER_NAME).handlers), sys.stdout.flush,
-                  sys.stderr.flush]:
+    for flush in [*flushers, lambda: record_exit(code, last_word()), logging.shutdown, sys.stdout.flush]:
         with contextlib.suppress(Exception):  # an unwritable log must not keep the process from ending
             flush()
     os._exit(code)

@@ -116,35 +116,27 @@ class Signals:
     in a collective; until ``StopRequest`` takes them over, ``handler`` stands in for death before a word."""
 
     def __init__(self, ends_process: bool):
-        self.ends_process, self.previous, self.read_fd = ends_process, {}, None
-        self.handler = lambda signum, frame: None
-        if threading.current_thread() is threading.main_thread():
-            self.read_fd, self.write_fd = os.pipe()
-            os.set_blocking(self.write_fd, False)
+        self.ends_process, self.previous, self.handler = ends_process, {}, lambda signum, frame: None
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        if threading.current_thread() is threading.main_thread():  # else no signal is seen, and none is taken
             signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
             self.previous = {sig: signal.signal(sig, self.handler) for sig in SIGNALS}
 
     def wait(self, timeout: float) -> List[int]:
-        """Sleep up to ``timeout`` s, waking at a signal; the SIGTERMs and SIGUSR1s that came."""
-        if self.read_fd is None or not select.select([self.read_fd], [], [], timeout)[0]:
-            time.sleep(timeout if self.read_fd is None else 0)
-            return []
-        return [s for s in os.read(self.read_fd, 512) if s in [int(sig) for sig in SIGNALS]]
-
-    def ours(self, signum: int) -> bool:
-        return signal.getsignal(signum) is self.handler
+        """Sleep up to ``timeout`` s, waking at a signal (or ``wake``); the SIGTERMs and SIGUSR1s that came."""
+        ready = select.select([self.read_fd], [], [], timeout)[0]
+        return [s for s in os.read(self.read_fd, 512) if s in [int(sig) for sig in SIGNALS]] if ready else []
 
     def wake(self) -> None:
-        if self.read_fd is not None:
-            with contextlib.suppress(OSError):  # full: the wait ends anyway
-                os.write(self.write_fd, b"\0")
+        with contextlib.suppress(OSError):  # full: the wait ends anyway
+            os.write(self.write_fd, b"\0")
 
     def restore(self, unread: bool) -> None:
         """The previous handlers back (``restore_handlers``), and the wakeup fd off."""
         restore_handlers(self.previous, self.ends_process)
-        if self.read_fd is not None:
+        if self.previous:
             signal.set_wakeup_fd(-1)
-            if unread:  # else a late read could meet the descriptor's number reused by another file
-                os.close(self.read_fd)
-                os.close(self.write_fd)
-            self.read_fd = None
+        if unread:  # else a late read could meet the descriptor's number reused by another file
+            os.close(self.read_fd)
+            os.close(self.write_fd)

@@ -1,5 +1,6 @@
 """--dist-timeout, how long a collective waits on a peer (train/ending/distributed.py): seconds above 0, else one line;
-and two pieces of train/ending/liveness.py: a store call's bound, and which collective errors are a peer's.
+and three pieces of train/ending/liveness.py: a store call's bound, which collective errors are a peer's, and ranks
+that take a roll call at once.
 
 The ranks themselves (a rank that fails, freezes or is killed) run for real in integration/test_rank_failures.py.
 """
@@ -49,3 +50,35 @@ def test_a_collective_that_a_timeout_closed_is_a_peers_failure_not_a_bug():
 
     assert own_failure(RuntimeError("Application timeout caused pair closure"), 0) is None
     assert own_failure(RuntimeError("an injected bug"), 0).code == 1
+
+
+def test_ranks_that_take_a_roll_call_at_once_hear_each_other():
+    """SLURM signals every task at once, and each rank's listener takes a roll call (a save needs every rank); none
+    is then free to answer another's. A rank in a roll call must count as present, else ranks take each other for
+    frozen (exit 74, the stop request lost): here the listeners are stopped, so only the roll calls can tell."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from naflex_accum.train.ending.liveness import Liveness
+
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    ranks = {}
+    for rank in (0, 1):  # off the main thread: no signal handler is installed
+        made = threading.Thread(target=lambda r=rank: ranks.update({r: Liveness(
+            SimpleNamespace(rank=r, world_size=2), ("127.0.0.1", store.port), 5.0, "test")}))
+        made.start()
+        made.join()
+    for peers in ranks.values():
+        peers.closed.set()
+        peers.thread.join()
+    found = {}
+    calls = [threading.Thread(target=lambda r=r: found.update({r: ranks[r].missing()})) for r in ranks]
+    for call in calls:
+        call.start()
+    for call in calls:
+        call.join()
+    for peers in ranks.values():
+        peers.close(ok=False)
+    assert found == {0: [], 1: []}
