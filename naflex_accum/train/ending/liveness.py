@@ -96,8 +96,8 @@ class Liveness:
         self.thread.start()
 
     def ask(self, fn, limit: Optional[float] = None):
-        """``fn()`` on the store; ``ConnectionError`` when its host is gone (or a ``wait`` timed out), ``TimeoutError``
-        without an answer in ``limit`` s (default ``ACK_WAIT``: the store's own timeout does not bound a frozen host)."""
+        """``fn()`` on the store: ``ConnectionError`` when its host is gone (or a ``wait`` timed out), ``TimeoutError``
+        past ``limit`` s, by default ``ACK_WAIT`` (the store's own timeout does not bound a call to a frozen host)."""
         answer = futures.Future()
 
         def call():
@@ -119,19 +119,23 @@ class Liveness:
         raw = self.ask(lambda: self.store.compare_set("failure", "", mine))
         return Failure(**json.loads(raw)) if raw else None
 
-    def beats(self) -> List[int]:
-        """Every rank's beats so far, this rank's one more."""
-        return self.ask(lambda: [self.store.add(f"beat/{r}", int(r == self.rank)) for r in range(self.world_size)])
+    def beats(self, ranks: List[int]) -> dict:
+        """This rank beats once; the beats of ``ranks`` so far (the listener's own beat reads none)."""
+        def call():
+            self.store.add(f"beat/{self.rank}", 1)
+            return {r: self.store.add(f"beat/{r}", 0) for r in ranks}
+        return self.ask(call)
 
     def missing(self) -> List[int]:
-        """A roll call: the other ranks that do not beat within ``ROLL_CALL`` seconds."""
-        before, deadline = self.beats(), time.monotonic() + ROLL_CALL
-        while True:
+        """A roll call: the other ranks that do not beat within ``ROLL_CALL`` seconds (this rank beats as it waits)."""
+        deadline = time.monotonic() + ROLL_CALL
+        silent = self.beats([r for r in range(self.world_size) if r != self.rank])
+        while silent and time.monotonic() < deadline:
             time.sleep(0.2)
-            absent = [r for r, (a, b) in enumerate(zip(before, self.beats())) if a == b and r != self.rank]
-            if not absent or time.monotonic() > deadline:
-                self.gone |= set(absent)
-                return absent
+            now = self.beats(list(silent))
+            silent = {r: n for r, n in silent.items() if now[r] == n}
+        self.gone |= set(silent)
+        return sorted(silent)
 
     def seen(self, ranks: List[int], limit: float) -> None:
         """Return once ``ranks`` (those not gone) said that they are done with the store; ``STUCK`` past ``limit`` s."""
@@ -238,7 +242,7 @@ class Liveness:
             caught = self.signals.wait(1.0)
             try:
                 first = self.record()
-                self.beats()
+                self.beats([])
                 if first is None and caught and not self.ending.is_set():
                     first = self.signalled(caught[0])
             except STUCK as stuck:
