@@ -95,9 +95,9 @@ class Liveness:
         self.thread = threading.Thread(target=self.run, name="naflex-accum-listener", daemon=True)
         self.thread.start()
 
-    def ask(self, fn, limit: Optional[float] = None):
-        """``fn()`` on the store: ``ConnectionError`` when its host is gone (or a ``wait`` timed out), ``TimeoutError``
-        past ``limit`` s, by default ``ACK_WAIT`` (the store's own timeout does not bound a call to a frozen host)."""
+    def ask(self, fn):
+        """``fn()`` on the store: ``ConnectionError`` when its host is gone, ``TimeoutError`` without an answer in
+        ``ACK_WAIT`` s (the store's own timeout does not bound a call to a frozen host)."""
         answer = futures.Future()
 
         def call():
@@ -109,7 +109,7 @@ class Liveness:
                 answer.set_exception(exc)
         threading.Thread(target=call, daemon=True).start()
         try:
-            return answer.result(limit or ACK_WAIT)  # a late answer changes nothing
+            return answer.result(ACK_WAIT)  # a late answer changes nothing
         except futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise TimeoutError("the job's store") from None
 
@@ -137,10 +137,15 @@ class Liveness:
         self.gone |= set(silent)
         return sorted(silent)
 
-    def seen(self, ranks: List[int], limit: float) -> None:
-        """Return once ``ranks`` (those not gone) said that they are done with the store; ``STUCK`` past ``limit`` s."""
-        keys = [f"seen/{r}" for r in ranks if r not in self.gone]
-        self.ask(lambda: self.store.wait(keys, timedelta(seconds=limit)), limit + 1)
+    def seen(self, ranks: List[int], limit: float) -> bool:
+        """Whether ``ranks`` (those not gone) said within ``limit`` s that they are done with the store (polled: the
+        store's own ``wait`` would hold this rank's connection, and the listener's beats, that long)."""
+        keys, deadline = [f"seen/{r}" for r in ranks if r not in self.gone], time.monotonic() + limit
+        while not self.ask(lambda: self.store.check(keys)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def decide(self, failure: Failure) -> Failure:
         """``failure`` becomes this rank's decision unless there is one; the decision."""
@@ -166,8 +171,8 @@ class Liveness:
             self.announce(first)
         self.done()
         try:
-            if own and self.rank != 0 and first.rank == self.rank and first.code != 1:
-                self.seen([0], ACK_WAIT)  # else rank 0 is not there to print it
+            if own and self.rank != 0 and first.rank == self.rank and first.code != 1 and not self.seen([0], ACK_WAIT):
+                self.announce(first)  # rank 0 is not there to print it
             if self.hosts_store:
                 self.seen(list(range(1, self.world_size)), ACK_WAIT)
         except STUCK:
