@@ -162,6 +162,8 @@ def train_one_epoch(state: TrainState, loader, loop: Loop) -> None:
 def after_step(state, loop: Loop, done: int, num_steps: int, lr, epoch_samples, samples_per_epoch):
     """After step ``done`` of the epoch: check (on the steps every rank agrees on), log, stop or save."""
     args, world = loop.args, loop.world
+    if world.peers is not None:
+        world.peers.check()
     last = done == num_steps
     log_now = (done - 1) % args.log_every_n_steps == 0 or last
     save_now = loop.saver.step_due(state.global_step)

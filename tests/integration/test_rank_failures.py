@@ -5,7 +5,7 @@ files of its own) around ``naflex-accum train`` (``loader_jobs/rank_faults.py``)
 the way srun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), where rank 0 serves the job's store
 itself, as env:// has it. Faults: a bad flag on every rank, rank 0 the last to parse it; rank 1 alone raises
 (its data loader cannot start, or its images stop decoding mid-run); a bug on rank 1 (torchrun's summary shows
-it, through the rank's error file); rank 1 frozen with SIGSTOP; rank 1 killed with SIGKILL; rank 1 frozen
+it, through the rank's error file); rank 1 frozen with SIGSTOP; rank 1 killed with SIGKILL; torchrun's agent killed with SIGKILL; rank 1 frozen
 while rank 0 gets SIGTERM; rank 0 killed under srun; rank 0's checkpoint write slower than any collective may
 wait, with SIGTERM to every rank during it. The line must reach the user once, on rank 0's stderr (and in
 out.log once it exists); no rank may print a traceback or a connection error. Every subprocess has a timeout;
@@ -75,7 +75,7 @@ class Job:
 
     def wait_steps(self, rank: int, steps: int, timeout=120.0) -> None:
         marker, deadline = self.record / f"rank{rank}.steps", time.time() + timeout
-        while not (marker.exists() and marker.read_text() and int(marker.read_text()) >= steps):
+        while int((marker.read_text() if marker.exists() else "") or 0) < steps:  # one read: the file is rewritten
             assert time.time() < deadline and all(p.poll() is None for p in self.procs), self.report()
             time.sleep(0.05)
 
@@ -229,6 +229,25 @@ def test_a_killed_rank_ends_the_others_with_one_line_exit_74(setup, tmp_path):
     # rank 0's broken collective, or torchrun's SIGTERM that follows at once, starts the roll call that names it
     text = "rank 1 ended without a word (killed?" if "rank 1 ended" in job.outputs() else "rank 1 has not answered"
     last_checkpoint_loads(heard_once(job, text))
+
+
+def test_torchruns_agent_killed_ends_every_rank_at_its_next_step_naming_its_last_checkpoint(setup, tmp_path):
+    # the ranks' collectives do not need the store, so they would train (and save) on while the listener, which
+    # found the store closed, waits for the main thread: it must stop at its next step, and its line must name
+    # the last checkpoint (or the one before it, when a save was under way as the store closed)
+    exit_file = tmp_path / "exit"
+    job = Job(tmp_path, setup, NAFLEX_ACCUM_EXIT_FILE=str(exit_file))
+    job.wait_steps(0, 3)
+    killed = time.time()
+    os.kill(job.procs[0].pid, signal.SIGKILL)
+    job.procs[0].wait()
+    for rank in (0, 1):
+        job.wait_rank(rank, killed + 40)
+    line = heard_once(job, "(torchrun's agent on rank 0's node) closed: the launcher or the job ended around this rank")
+    named = Path(line.split("last good checkpoint: ", 1)[1].split(";", 1)[0])
+    saved = sorted((tmp_path / "logs/run/checkpoints").glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    assert named in saved[-2:], (named, saved[-3:])
+    assert exit_file.read_text().splitlines()[0] == "74"
 
 
 def test_sigterm_to_a_rank_waiting_on_a_frozen_peer_ends_it_at_once(setup, tmp_path):

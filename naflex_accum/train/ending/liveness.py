@@ -45,6 +45,10 @@ class RankFailure(Exception):
         self.line, self.code = line, code
 
 
+class Decided(Exception):
+    """Raised in the loop at a step boundary once the listener knows how this rank ends: no step or save after it."""
+
+
 @dataclass
 class Failure:
     rank: int  # the rank that failed
@@ -65,7 +69,8 @@ def own_failure(exc: BaseException, rank: int) -> Optional[Failure]:
         return Failure(rank, 2, f"rank {rank}: {exc}", text=str(exc))
     if isinstance(exc, KeyboardInterrupt):
         return Failure(rank, EXIT_INTERRUPTED, f"rank {rank} was interrupted (SIGINT)")
-    if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in COMM_MARKERS)):
+    broken = isinstance(exc, RuntimeError) and any(m in str(exc) for m in COMM_MARKERS)
+    if broken or isinstance(exc, (dist.DistError, Decided)):
         return None
     return Failure(rank, 1, f"rank {rank} failed: {first_line(exc, named=True)} (a bug: the traceback "
                             f"is in rank {rank}'s output)")
@@ -132,6 +137,8 @@ class Liveness:
         silent = self.beats([r for r in range(self.world_size) if r != self.rank])
         while silent and time.monotonic() < deadline:
             time.sleep(0.2)
+            if self.record() is not None:  # a failure recorded meanwhile says what happened
+                return []
             now = self.beats(list(silent))
             silent = {r: n for r, n in silent.items() if now[r] == n}
         self.gone |= set(silent)
@@ -146,6 +153,12 @@ class Liveness:
                 return False
             time.sleep(0.1)
         return True
+
+    def check(self) -> None:
+        """At a step boundary: end here once the listener has decided how this rank ends (its line names the last
+        checkpoint then: no step may go on, and no save, while the listener waits ``TAKEOVER`` for this thread)."""
+        if self.decision is not None:
+            raise Decided(self.decision.line)
 
     def decide(self, failure: Failure) -> Failure:
         """``failure`` becomes this rank's decision unless there is one; the decision."""
