@@ -199,8 +199,9 @@ class Liveness:
 
     def after_comm_error(self, exc: BaseException) -> Failure:
         """The failure behind a collective that broke: a peer's record, else the ranks that miss a roll call."""
-        missing = [] if self.record() else self.missing()  # a failure recorded: no roll call to wait out
-        recorded, after = self.record(), f"{self.context()} (exit {EXIT_LOADER})"
+        recorded = self.record()
+        missing = [] if recorded else self.missing()  # a failure recorded: no roll call to wait out
+        recorded, after = recorded or self.record(), f"{self.context()} (exit {EXIT_LOADER})"
         waited = "imed out" in str(exc) or "timeout" in str(exc).lower()
         if recorded is not None:
             return recorded
