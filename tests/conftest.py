@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-# Two-core CI machines: one thread is faster and steadier for tiny models.
+# Two-core CI machines: one thread is faster and steadier for tiny models, in this process and in every process
+# the suite starts (a second OpenMP thread per process, with 3 to 4 test processes on 2 cores, spins for nothing).
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 # Shard-size counts (data.index) go to a cache of the test session's own, inherited by its subprocesses and
 # removed when it exits, so that no test run leaves one in the user's home or /tmp. torch.compile's kernels stay
