@@ -26,6 +26,8 @@ import pytest
 import torch
 from longrun_common import SUBPROCESS_ENV, dropout_model, make_shards, run_argv
 
+from naflex_accum.train.ending.liveness import ACK_WAIT
+
 JOB = Path(__file__).resolve().parents[1] / "loader_jobs" / "rank_faults.py"
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -297,6 +299,27 @@ def test_srun_rank_0_killed_rank_1_says_so_at_once_exit_74(setup, tmp_path):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "rank 0 ended without a word" in lines[0], job.report()
     assert not [n for n in NOISE if n in job.outputs()], job.report()
+
+
+def test_a_frozen_srun_rank_0_is_named_one_store_wait_after_the_dist_timeout_exit_74(setup, tmp_path):
+    """Under srun rank 0 serves the job's store, which freezes with it: rank 1 waits out its collective and then one
+    store call (``ACK_WAIT``), not one for each call it would make (about 20 s more)."""
+    timeout = 6
+    job = Job(tmp_path, setup, "--dist-timeout", str(timeout), srun=True)
+    job.wait_steps(1, 2)
+    frozen = time.time()
+    os.kill(job.pid(0), signal.SIGSTOP)
+    try:
+        ended = job.wait_rank(1, frozen + timeout + ACK_WAIT + 5)
+    finally:
+        os.kill(job.pid(0), signal.SIGCONT)
+    codes = job.wait(timeout=60)
+    print(f"rank 1 ended {ended - frozen:.1f} s after rank 0 froze")
+    assert codes == {0: 74, 1: 74}, job.report()
+    lines = [line for line in job.output(1, "stderr").splitlines() if line.strip()]
+    assert len(lines) == 1 and "rank 0 stopped answering: the job's store it serves gave no answer for 10 s (a " \
+                               "stopped or frozen process)" in lines[0], job.report()
+    last_checkpoint_loads(lines[0])
 
 
 def test_rank_0s_checkpoint_write_longer_than_a_collective_may_wait_and_a_sigterm_to_all_then_stop_cleanly(setup,

@@ -93,7 +93,7 @@ class Liveness:
         self.lock, self.closed, self.once = threading.Lock(), threading.Event(), threading.Lock()
         self.decision: Optional[Failure] = None
         self.ending = threading.Event()  # the main thread began ending (it then ends the process itself)
-        self.gone = set()
+        self.gone, self.stuck = set(), None  # stuck: how the store failed (TimeoutError, ConnectionError)
         self.context: Callable[[], str] = lambda: "nothing was trained; run it again"
         self.flushers: List[Callable[[], None]] = []  # what to flush if the listener ends the process
         self.signals = Signals(ends_process)
@@ -102,7 +102,10 @@ class Liveness:
 
     def ask(self, fn):
         """``fn()`` on the store: ``ConnectionError`` when its host is gone, ``TimeoutError`` without an answer in
-        ``ACK_WAIT`` s (the store's own timeout does not bound a call to a frozen host)."""
+        ``ACK_WAIT`` s (the store's own timeout does not bound a call to a frozen host); after either, at once (each
+        call to a frozen store would wait its ``ACK_WAIT`` s)."""
+        if self.stuck:
+            raise self.stuck("the job's store")
         answer = futures.Future()
 
         def call():
@@ -115,8 +118,9 @@ class Liveness:
         threading.Thread(target=call, daemon=True).start()
         try:
             return answer.result(ACK_WAIT)  # a late answer changes nothing
-        except futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-            raise TimeoutError("the job's store") from None
+        except (*STUCK, futures.TimeoutError) as failed:  # futures': not the builtin TimeoutError before Python 3.11
+            self.stuck = ConnectionError if isinstance(failed, ConnectionError) else TimeoutError
+        raise self.stuck("the job's store") from None
 
     def record(self, failure: Optional[Failure] = None) -> Optional[Failure]:
         """``failure`` recorded unless one is already; the first either way (None: none, and none given)."""

@@ -19,7 +19,8 @@ def test_dist_timeout_must_be_seconds_above_0(value):
 
 def test_a_store_call_without_an_answer_is_stuck_on_every_python(monkeypatch):
     """Future.result's timeout is the builtin TimeoutError only from Python 3.11 (on 3.10 it escaped ``STUCK``: a
-    frozen store host gave a traceback and exit 1); a store's own error is a ``ConnectionError``."""
+    frozen store host gave a traceback and exit 1); a store's own error is a ``ConnectionError``. After either, the
+    store is not asked again: each call to a frozen one would wait ``ACK_WAIT`` s more."""
     import concurrent.futures
     import threading
 
@@ -32,16 +33,27 @@ def test_a_store_call_without_an_answer_is_stuck_on_every_python(monkeypatch):
     monkeypatch.setattr(concurrent.futures, "TimeoutError", FutureTimeout)
     monkeypatch.setattr(concurrent.futures._base, "TimeoutError", FutureTimeout)
     monkeypatch.setattr(liveness, "ACK_WAIT", 0.1)
-    ask, release = liveness.Liveness.ask.__get__(object.__new__(liveness.Liveness)), threading.Event()
+
+    def fresh():
+        bare = object.__new__(liveness.Liveness)
+        bare.stuck = None
+        return bare.ask
+    ask, release, asked = fresh(), threading.Event(), []
     with pytest.raises(TimeoutError, match="the job's store"):
         ask(lambda: release.wait(10))
     release.set()
+    with pytest.raises(TimeoutError, match="the job's store"):
+        ask(lambda: asked.append(1))
+    assert not asked
 
     def closed():
         raise dist.DistError("connection closed")
+    ask = fresh()
     with pytest.raises(ConnectionError):
         ask(closed)
-    assert ask(lambda: 7) == 7
+    with pytest.raises(ConnectionError):
+        ask(lambda: asked.append(1))
+    assert not asked and fresh()(lambda: 7) == 7
 
 
 def test_a_collective_that_a_timeout_closed_is_a_peers_failure_not_a_bug():
