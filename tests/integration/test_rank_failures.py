@@ -6,9 +6,10 @@ the way srun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), where ran
 itself, as env:// has it. Faults: a bad flag on every rank, rank 0 the last to parse it; rank 1 alone raises
 (its data loader cannot start, or its images stop decoding mid-run); a bug on rank 1 (torchrun's summary shows
 it, through the rank's error file); rank 1 frozen with SIGSTOP; rank 1 killed with SIGKILL; torchrun's agent
-killed with SIGKILL; rank 1 frozen while rank 0 gets SIGTERM; rank 0 killed under srun; rank 0's checkpoint
-write slower than any collective may wait, with SIGTERM to every rank during it. The line must reach the user
-once, on rank 0's stderr (and in out.log once it exists); no rank may print a traceback or a connection error.
+killed with SIGKILL; rank 1 frozen while rank 0 gets SIGTERM; rank 0 killed, or frozen, under srun (its store
+goes with it: rank 1 says so); rank 0's checkpoint write slower than any collective may wait, with SIGTERM to
+every rank during it. The line must reach the user once, on rank 0's stderr (and in out.log once it exists; rank
+1's when rank 0 is gone); no rank may print a traceback or a connection error.
 Every subprocess has a timeout; times are asserted only as generous bounds on a hang.
 """
 
