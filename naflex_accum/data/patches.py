@@ -3,7 +3,7 @@
 Invariant: a batch is ``{"patches": [B, L, P*P*C] (or [B, L, P, P, C] with several patch sizes), "patch_coord":
 int64 [B, L, 2], "patch_valid": bool [B, L]}``, real patches first and zero padding after, so padding is inert.
 The pipeline keeps pixels uint8 up to the device, where ``normalize_patches`` makes bit for bit the float batch
-one CPU pass makes; ``pil_to_patches`` is the Pillow quality reference.
+one CPU pass makes.
 """
 import functools
 import math
@@ -12,7 +12,6 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from timm.data import patchify_image
 from timm.data.naflex_transforms import get_image_size_for_seq  # not re-exported by timm.data (pyproject.toml)
 from torchvision.transforms import InterpolationMode
@@ -159,24 +158,10 @@ def patch_grid(counts: Sequence[int], widths: Sequence[int], seq_len: int) -> Tu
     return coord, valid
 
 
-def pil_to_patches(img, seq_len: int, patch_size: int = 16, flatten: bool = True) -> Dict[str, torch.Tensor]:
-    """A PIL image resized (Pillow's bicubic) to at most ``seq_len`` patches, as uint8 patches: the Pillow
-    reference for the pipeline's path (``collate_uint8_patches`` normalises a batch of them)."""
-    h, w = size_for_seq((img.height, img.width), patch_size, seq_len)
-    if img.mode in ("P", "PA") and "transparency" in img.info:
-        img = img.convert("RGBA")  # what PIL asks for; converting a palette with transparency straight to RGB warns
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    if img.size != (w, h):
-        img = img.resize((w, h), Image.BICUBIC)
-    hwc = torch.from_numpy(np.array(img, dtype=np.uint8))
-    patches, coord, valid = patchify_image(hwc.permute(2, 0, 1), (patch_size, patch_size), flatten_patches=flatten)
-    return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
-
-
-def _collate(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
-             dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
-    """Stack patch dicts into zero-padded ``seq_len`` tensors, the patches as ``dtype``."""
+def collate_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
+                    dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """Stack per-image patch dicts (flat or unflattened patches), zero-padded to ``seq_len``, the patches as
+    ``dtype``."""
     n, shape = len(items), tuple(items[0]["patches"].shape[1:])
     patches = torch.zeros((n, seq_len) + shape, dtype=dtype)
     coord = torch.zeros(n, seq_len, 2, dtype=torch.int64)
@@ -189,14 +174,3 @@ def _collate(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
         coord[i, :m] = item["patch_coord"]
         valid[i, :m] = item["patch_valid"]
     return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
-
-
-def collate_uint8_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
-                          mean=IMAGE_MEAN, std=IMAGE_STD) -> Dict[str, torch.Tensor]:
-    """Stack uint8 patch dicts (``pil_to_patches``), normalised and zero-padded to ``seq_len``."""
-    return normalize_patches(_collate(items, seq_len, torch.uint8), mean, std)
-
-
-def collate_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int) -> Dict[str, torch.Tensor]:
-    """Stack per-image patch dicts, zero-padding each to ``seq_len`` (flat or unflattened patches)."""
-    return _collate(items, seq_len)

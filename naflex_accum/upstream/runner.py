@@ -148,14 +148,15 @@ def _preflight(module, argv: Sequence[str], prog: str):
     parse_args = getattr(module, "parse_args", None)
     if not callable(parse_args):
         return preflight.StepUse(True, "upstream's arguments not read")
-    args = cmdline.parse(parse_args, argv, prog)
-    if args is None:
-        return None
-    line = preflight.refusal(args)
+    try:
+        args = cmdline.parse(parse_args, argv, prog)
+        line = None if args is None else preflight.refusal(args)
+    except UsageError as exc:  # argparse's refusal, or upstream's own check after parsing
+        args, line = None, str(exc)
     if line is not None:
         # Every rank of a launch reads the same ARGS and variables: rank 0 alone says it.
         raise (UsageError if process_rank() == 0 else QuietUsageError)(line)
-    return preflight.step_use(args)
+    return None if args is None else preflight.step_use(args)
 
 
 def run(argv: Sequence[str], prog: str = USAGE_PROG) -> int:

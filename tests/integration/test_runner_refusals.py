@@ -53,8 +53,12 @@ CASES = {
     "resnet": (RUNNER, ["--model", "{resnet}", "--lock-image", "--lock-image-unlocked-groups", "1", DATA], {}),
     **{f"other {i}": (RUNNER, [*args, DATA], {}) for i, (args, _) in enumerate(OTHERS)},
     "genlip": (RUNNER, ["--model", "naflexgenlip_test", "--accum-freq", "2", DATA], {}),
+    "rank 1 bad flag": (RUNNER, ["--no-such-flag", DATA], {"RANK": "1", "WORLD_SIZE": "2"}),
+    "rank 1 upstream check": (RUNNER, ["--model", "naflexgenlip_test", "--accum-freq", "2", DATA],
+                              {"RANK": "1", "WORLD_SIZE": "2"}),
 }
-ONLY_ON = {"resnet": "5964c41", "genlip": "89fb801", **{f"other {i}": "89fb801" for i in range(len(OTHERS))}}
+ONLY_ON = {"resnet": "5964c41", "genlip": "89fb801", "rank 1 bad flag": "89fb801", "rank 1 upstream check": "89fb801",
+           **{f"other {i}": "89fb801" for i in range(len(OTHERS))}}
 TINY_RESNET = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
                "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
 
@@ -210,6 +214,14 @@ def test_other_settings_upstream_would_crash_on_are_refused(refused, args, said)
 
 def test_upstreams_own_checks_after_parsing_are_one_line(refused):
     _refuse(refused, "89fb801", "genlip", "GenLIP does not support --accum-freq > 1")
+
+
+def test_a_bad_flag_under_a_launcher_is_said_by_rank_0_alone(refused):
+    """Every rank reads the same flags: rank 0 says the one line (above), the others exit 2 without a word."""
+    for name in ("rank 1 bad flag", "rank 1 upstream check"):
+        proc, logs = refused["89fb801", name]
+        assert (proc.returncode, proc.stderr, proc.stdout) == (2, "", ""), tail(proc)
+        assert not logs.exists()
 
 
 def _trains(pinned, demo_shards, tmp_path, model, *args):

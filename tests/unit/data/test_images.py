@@ -172,8 +172,8 @@ def textured(h, w, fmt, generator):
 
 def test_torchvision_path_within_a_255th_of_pillow_on_demo_images(tmp_path):
     """Batches from the pipeline's decode/resize/collate vs Pillow's decode + bicubic resize (the reference)."""
-    from naflex_accum.data.patches import (IMAGE_STD, collate_images, collate_uint8_patches, pil_to_patches,
-                                           resize_for_seq)
+    from naflex_accum.data.patches import IMAGE_STD, collate_images, resize_for_seq
+    from pillow_reference import collate_uint8_patches, pil_to_patches
 
     blobs = [d for p in shard_paths(demo(tmp_path, num=64, val=0, shard_size=64).train)
              for n, d in tar_members(p) if n.endswith((".jpg", ".png"))]

@@ -112,7 +112,8 @@ def test_pil_path_matches_torch_path_layout(flatten):
     import numpy as np
     from PIL import Image
 
-    from naflex_accum.data.patches import collate_patches, collate_uint8_patches, image_to_patches, pil_to_patches
+    from naflex_accum.data.patches import collate_patches, image_to_patches
+    from pillow_reference import collate_uint8_patches, pil_to_patches
 
     rng = np.random.default_rng(0)
     arrays = [(rng.random((h, w, 3)) * 60 + np.linspace(0, 180, w)[None, :, None]).astype(np.uint8)
