@@ -8,7 +8,7 @@ the step. docs/upstream.md, "What the runner refuses before upstream starts".
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from braceexpand import braceexpand
 
@@ -193,12 +193,14 @@ def _compiled_step(args) -> Optional[str]:
 
 CHECKS = (_accum_freq, _train_data, _step_settings, _naflex_schedule, _distillation, locks.refusal, _ddp_on_cpu,
           _compiled_step)
+OWN_NODE = (_train_data, locks.refusal)  # they read files: one node may lack what rank 0's has
 
 
-def refusal(args) -> Optional[str]:
-    """The one line refusing this run before upstream's ``main`` starts, or None when upstream can take it."""
+def refusal(args) -> Optional[Tuple[str, bool]]:
+    """The one line refusing this run before upstream's ``main`` starts, and whether it read this node's files
+    (else every rank meets it alike); None when upstream can take it."""
     for check in CHECKS:
         line = check(args)
         if line is not None:
-            return line
+            return line, check in OWN_NODE
     return None

@@ -11,12 +11,13 @@ folder records the fix, mode, upstream and verdict; a start that fails before it
 import contextlib
 import importlib
 import logging
+import os
 import sys
 from typing import List, Optional, Sequence
 
 from ..accum.modes import resolve_mode
 from ..errors import PatchError, QuietUsageError, StartFailed, StepError, UsageError
-from ..ranks import process_rank
+from ..ranks import WORLD_VARS, process_rank
 from ..version import __version__
 from . import cmdline, preflight
 from .patch import TARGET_NAME, describe, gate, import_target, is_ours, patched
@@ -150,13 +151,21 @@ def _preflight(module, argv: Sequence[str], prog: str):
         return preflight.StepUse(True, "upstream's arguments not read")
     try:
         args = cmdline.parse(parse_args, argv, prog)
-        line = None if args is None else preflight.refusal(args)
-    except UsageError as exc:  # argparse's refusal, or upstream's own check after parsing
-        args, line = None, str(exc)
-    if line is not None:
-        # Every rank of a launch reads the same ARGS and variables: rank 0 alone says it.
-        raise (UsageError if process_rank() == 0 else QuietUsageError)(line)
+        found = None if args is None else preflight.refusal(args)
+    except UsageError as exc:  # argparse's refusal, or upstream's own check after parsing: the flags' alone
+        args, found = None, (str(exc), False)
+    if found is not None:
+        raise _refused(*found)
     return None if args is None else preflight.step_use(args)
+
+
+def _refused(line: str, own_node: bool) -> UsageError:
+    """Every rank of a launch reads the same flags and variables: rank 0 alone says a refusal of those; one that
+    read this node's files, every rank that meets it, naming itself. One process (a stray ``RANK``) says it."""
+    rank, world = process_rank(), next((os.environ[v] for v in WORLD_VARS if v in os.environ), "")
+    if rank == 0 or not world.strip().isdigit() or int(world) < 2:
+        return UsageError(line)
+    return UsageError(f"rank {rank}: {line}") if own_node else QuietUsageError(line)
 
 
 def run(argv: Sequence[str], prog: str = USAGE_PROG) -> int:

@@ -56,8 +56,10 @@ CASES = {
     "rank 1 bad flag": (RUNNER, ["--no-such-flag", DATA], {"RANK": "1", "WORLD_SIZE": "2"}),
     "rank 1 upstream check": (RUNNER, ["--model", "naflexgenlip_test", "--accum-freq", "2", DATA],
                               {"RANK": "1", "WORLD_SIZE": "2"}),
+    "rank 1 own files": (RUNNER, [DATA, "--train-data", "/no/such/shard-000000.tar"], {"RANK": "1", "WORLD_SIZE": "2"}),
+    "a stray RANK": (RUNNER, ["--no-such-flag", DATA], {"RANK": "1", "WORLD_SIZE": None}),
 }
-ONLY_ON = {"resnet": "5964c41", "genlip": "89fb801", "rank 1 bad flag": "89fb801", "rank 1 upstream check": "89fb801",
+ONLY_ON = {"resnet": "5964c41", "genlip": "89fb801", **{name: "89fb801" for name in CASES if name.startswith(("rank 1", "a stray"))},
            **{f"other {i}": "89fb801" for i in range(len(OTHERS))}}
 TINY_RESNET = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
                "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
@@ -222,6 +224,12 @@ def test_a_bad_flag_under_a_launcher_is_said_by_rank_0_alone(refused):
         proc, logs = refused["89fb801", name]
         assert (proc.returncode, proc.stderr, proc.stdout) == (2, "", ""), tail(proc)
         assert not logs.exists()
+
+
+def test_a_rank_whose_node_lacks_the_data_says_so_and_one_process_always_speaks(refused):
+    """Files are each node's own: rank 1 names itself; with a stray RANK but no world size there is no rank 0."""
+    _refuse(refused, "89fb801", "rank 1 own files", "rank 1: --train-data: 1 file(s) not found")
+    _refuse(refused, "89fb801", "a stray RANK", "unrecognized arguments: --no-such-flag")
 
 
 def _trains(pinned, demo_shards, tmp_path, model, *args):
