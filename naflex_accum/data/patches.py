@@ -160,8 +160,7 @@ def patch_grid(counts: Sequence[int], widths: Sequence[int], seq_len: int) -> Tu
 
 def collate_patches(items: Sequence[Dict[str, torch.Tensor]], seq_len: int,
                     dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
-    """Stack per-image patch dicts (flat or unflattened patches), zero-padded to ``seq_len``, the patches as
-    ``dtype``."""
+    """Stack per-image patch dicts (flat or unflattened patches), zero-padded to ``seq_len``, as ``dtype``."""
     n, shape = len(items), tuple(items[0]["patches"].shape[1:])
     patches = torch.zeros((n, seq_len) + shape, dtype=dtype)
     coord = torch.zeros(n, seq_len, 2, dtype=torch.int64)

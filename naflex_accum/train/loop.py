@@ -74,7 +74,7 @@ def lr_position(state, segment: Segment, step: int, k: int) -> float:
 def check_sizes_agree(sizes, world) -> None:
     if not world.all_equal(sizes):
         raise UsageError(
-            f"rank {world.rank}: microbatch sizes {sizes} of the first window differ across ranks, so the "
+            f"microbatch sizes {sizes} of the first window differ across ranks, so the "
             f"window scale would too; every rank must follow the same (seeded) NaFlex schedule")
 
 

@@ -301,6 +301,7 @@ def train(argv=None, prog="naflex-accum train", ends_process: bool = False) -> d
         if bad is not None:
             raise bad
         world, device = init_distributed(args.device, world=world)
+        check_same_flags(args, world)
         result = run(args, world, device, ends_process)
         code = result["exit_code"]
     except (Exception, KeyboardInterrupt) as exc:
@@ -311,6 +312,18 @@ def train(argv=None, prog="naflex-accum train", ends_process: bool = False) -> d
         world.close(code)
     result.update(is_master=world.is_master, report_to=args.report_to)
     return result
+
+
+def check_same_flags(args, world) -> None:
+    """Every rank runs rank 0's flags (``--device`` aside): one that differs would make the ranks' collectives
+    disagree, or train its share of the batch otherwise. Each rank sees every rank's, so all refuse alike."""
+    flags = world.gather_object({k: repr(v) for k, v in vars(args).items() if k != "device"})
+    for rank, theirs in enumerate(flags[1:], start=1):
+        differ = [f"--{k.replace('_', '-')} {v} (rank 0: {flags[0].get(k)})" for k, v in theirs.items()
+                  if v != flags[0].get(k)]
+        if differ:
+            raise UsageError(f"rank {rank}'s flags differ from rank 0's: {', '.join(differ)}; launch every rank "
+                             f"with the same flags")
 
 
 def print_footer(result: dict) -> None:

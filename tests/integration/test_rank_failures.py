@@ -182,6 +182,15 @@ def test_a_bad_flag_on_every_rank_is_one_line_from_rank_0_and_every_rank_exits_2
     heard_once(job, "naflex-accum train: error: --epochs must be a positive integer, got -3", logged=False)
 
 
+def test_ranks_launched_with_other_flags_are_refused_in_one_line_before_the_run_folder_exit_2(setup, tmp_path):
+    """An --accum-freq of its own made rank 1's first collective disagree in size with rank 0's (gloo aborted)."""
+    job = Job(tmp_path, setup, RANK_1_FLAGS="--accum-freq 4 --lr 0.01")
+    assert job.wait() == {0: 2, 1: 2}, job.report()
+    heard_once(job, "rank 1's flags differ from rank 0's: --accum-freq 4 (rank 0: 2), --lr 0.01 (rank 0: 0.001); "
+                    "launch every rank with the same flags", logged=False)
+    assert not (tmp_path / "logs/run").exists()
+
+
 def test_a_bug_on_rank_1_is_torchruns_root_cause_with_its_error_and_traceback(setup, tmp_path):
     job = Job(tmp_path, setup, FAIL_AT_START="bug:1")
     assert job.wait() == {0: 1, 1: 1}, job.report()

@@ -59,7 +59,8 @@ CASES = {
     "rank 1 own files": (RUNNER, [DATA, "--train-data", "/no/such/shard-000000.tar"], {"RANK": "1", "WORLD_SIZE": "2"}),
     "a stray RANK": (RUNNER, ["--no-such-flag", DATA], {"RANK": "1", "WORLD_SIZE": None}),
 }
-ONLY_ON = {"resnet": "5964c41", "genlip": "89fb801", **{name: "89fb801" for name in CASES if name.startswith(("rank 1", "a stray"))},
+ONLY_ON = {"resnet": "5964c41", "genlip": "89fb801",
+           **{name: "89fb801" for name in CASES if name.startswith(("rank 1", "a stray"))},
            **{f"other {i}": "89fb801" for i in range(len(OTHERS))}}
 TINY_RESNET = {"embed_dim": 32, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8},
                "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}

@@ -11,7 +11,7 @@ while it builds its data loader (the other rank is then in its first collective,
 every rank raises the same one; ``bug:R``: rank R raises a TypeError. SLOW_START: every rank takes that
 many seconds longer to build its loader. SLOW: rank 0's first checkpoint write takes SLOW seconds longer
 (it touches FOLDER/slow.started as it begins); SLOW_EVAL: so does each of its evaluations. LATE: rank 0
-starts its command that many seconds late (a slower node).
+starts its command that many seconds late (a slower node). RANK_1_FLAGS: flags rank 1 adds to its command.
 """
 import os
 import sys
@@ -103,4 +103,5 @@ from naflex_accum import cli  # noqa: E402
 
 if rank == 0:
     time.sleep(float(os.environ.get("LATE", 0)))
-sys.exit(cli.entry(["train", *sys.argv[1:]]))
+extra = os.environ.get("RANK_1_FLAGS", "").split() if rank == 1 else []
+sys.exit(cli.entry(["train", *sys.argv[1:], *extra]))

@@ -8,6 +8,7 @@ teardown SIGTERM cannot turn a saved run into a killed one. docs/long-runs.md, "
 """
 import contextlib
 import logging
+import math
 import os
 import select
 import signal
@@ -42,11 +43,11 @@ def launch_time() -> float:
     """The earliest of this process's start and ``$NAFLEX_ACCUM_LAUNCHED`` (a bad value: warned, not used)."""
     launched, value = process_start(), os.environ.get(LAUNCHED_ENV)
     if value:
-        try:
-            return min(launched, float(value))
-        except ValueError:
-            log.warning(f"${LAUNCHED_ENV}={value!r} is not a time in epoch seconds; ignored (this process's start "
-                        f"counts as the launch)")
+        with contextlib.suppress(ValueError):
+            if math.isfinite(float(value)):  # -inf would make every STOP file newer than the launch
+                return min(launched, float(value))
+        log.warning(f"${LAUNCHED_ENV}={value!r} is not a time in epoch seconds; ignored (this process's start "
+                    f"counts as the launch)")
     return launched
 
 

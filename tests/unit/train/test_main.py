@@ -168,6 +168,20 @@ def test_stop_file_is_cleared_on_start(shards, tmp_path):
     assert not result["preempted"] and result["epoch"] == 1
 
 
+@pytest.mark.parametrize("value", ["-inf", "nan", "inf", "abc"])
+def test_a_launch_time_that_is_no_time_is_warned_and_not_used(monkeypatch, value):
+    """-inf would make every STOP file newer than the launch, so a stale one would stop the run at once."""
+    from naflex_accum.train.ending import preempt
+
+    warned = []
+    monkeypatch.setattr(preempt.log, "warning", warned.append)
+    monkeypatch.setenv("NAFLEX_ACCUM_LAUNCHED", value)
+    assert abs(preempt.launch_time() - preempt.process_start()) < 1
+    assert len(warned) == 1 and f"$NAFLEX_ACCUM_LAUNCHED={value!r} is not a time in epoch seconds" in warned[0]
+    monkeypatch.setenv("NAFLEX_ACCUM_LAUNCHED", "1000")
+    assert preempt.launch_time() == 1000
+
+
 @pytest.mark.parametrize("precision", ["amp", "amp_bf16"])
 def test_mixed_precision_runs_on_cpu(shards, tmp_path, precision):
     """fp16 autocast with a GradScaler (saved in the checkpoint), and bf16 autocast, run end to end."""
