@@ -13,6 +13,13 @@ RANK_VARS = ("RANK", "PMI_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 WORLD_VARS = ("WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
 
+def first_var(names, env=None):
+    """The first of ``names`` set in ``env`` (``os.environ``) and its value, as the launchers' precedence has it;
+    (None, None) when none is."""
+    env = os.environ if env is None else env
+    return next(((name, env[name]) for name in names if name in env), (None, None))
+
+
 def process_rank() -> int:
     """This process's global rank: torch.distributed's once initialised, else the launcher's variable, else 0."""
     import torch.distributed as dist  # torch only when asked: the runner reads this before importing upstream

@@ -34,7 +34,7 @@ from .model import fsdp
 from .model.compile import compile_model
 from .model.finetune import prepare_model
 from .monitor import NonFiniteLoss, StepMonitor
-from .output.logs import RunLogger, setup_logging
+from .output.logs import RunLogger, log_file_only, setup_logging
 from .output.report import open_wandb, sinks
 from .output.summary import finished, log_nothing_to_do, log_summary
 from .ending.liveness import RankFailure
@@ -174,9 +174,9 @@ def _evals(args, world, device, task, model, val_data, zero_shot, autocast, run_
     return run_evals
 
 
-def _log_error(line: str) -> None:
+def _log_error(line: str, file_only: bool = False) -> None:
     try:
-        log.error(line)
+        (log_file_only if file_only else log.error)(line)
     except WriteError:  # out.log's storage is gone too: its handler has left; the console's (the first) has the line
         pass
 
@@ -266,6 +266,8 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
     except Exception as exc:
         what = transient(exc)
         if what is None:
+            if world.is_master and isinstance(exc, WriteError):  # a full disk: main says it on stderr, out.log too
+                _log_error(str(exc), file_only=True)
             raise
         exit_code = EXIT_LOADER
         which = "Writing the run folder" if isinstance(exc, WriteError) else "Data loader"

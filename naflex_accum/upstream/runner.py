@@ -11,13 +11,12 @@ folder records the fix, mode, upstream and verdict; a start that fails before it
 import contextlib
 import importlib
 import logging
-import os
 import sys
 from typing import List, Optional, Sequence
 
 from ..accum.modes import resolve_mode
 from ..errors import PatchError, QuietUsageError, StartFailed, StepError, UsageError
-from ..ranks import WORLD_VARS, process_rank
+from ..ranks import WORLD_VARS, first_var, process_rank
 from ..version import __version__
 from . import cmdline, preflight
 from .patch import TARGET_NAME, describe, gate, import_target, is_ours, patched
@@ -162,7 +161,7 @@ def _preflight(module, argv: Sequence[str], prog: str):
 def _refused(line: str, own_node: bool) -> UsageError:
     """Every rank of a launch reads the same flags and variables: rank 0 alone says a refusal of those; one that
     read this node's files, every rank that meets it, naming itself. One process (a stray ``RANK``) says it."""
-    rank, world = process_rank(), next((os.environ[v] for v in WORLD_VARS if v in os.environ), "")
+    rank, world = process_rank(), first_var(WORLD_VARS)[1] or ""
     if rank == 0 or not world.strip().isdigit() or int(world) < 2:
         return UsageError(line)
     return UsageError(f"rank {rank}: {line}") if own_node else QuietUsageError(line)

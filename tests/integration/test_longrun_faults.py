@@ -156,6 +156,7 @@ def test_full_disk_is_one_line_and_leaves_no_partial_checkpoint(setup, tmp_path,
         if fill == "checkpoint":  # a step trained: the folder stays, with its log
             leftovers = [p.name for p in (small / "full/checkpoints").iterdir()]
             assert leftovers == [], leftovers  # no partial file under a checkpoint name, no temporary file
+            assert err.split(": error: ", 1)[1] in (small / "full/out.log").read_text()  # the run's log has it too
         else:  # refused before training: the folder this start made is gone
             assert not (small / "full").exists(), sorted(str(p) for p in (small / "full").rglob("*"))
     finally:

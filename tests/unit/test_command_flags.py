@@ -82,6 +82,9 @@ def test_resume_latest_needs_a_name(capsys):
     assert cli.main(["train", *BASE, "--resume", "latest"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "add --name NAME" in err
+    for empty in ("", " "):  # was read as the current folder: "--resume .: ..."
+        with pytest.raises(UsageError, match=r"^--resume is empty; give a checkpoint path, or 'latest' with --name$"):
+            parse_args([*BASE, "--resume", empty])
 
 
 def test_verify_help_does_not_say_coca_needs_upstream():

@@ -322,6 +322,8 @@ def validate(args) -> None:
     args.notes = []  # one-line remarks about how flags were taken, for the run's log (and params.txt)
     if not args.train_data:
         raise UsageError("--train-data is required: webdataset shards, e.g. 'data/train-{0000..0009}.tar'")
+    if args.resume is not None and not args.resume.strip():
+        raise UsageError("--resume is empty; give a checkpoint path, or 'latest' with --name")
     if args.resume == "latest" and args.name is None:
         raise UsageError("--resume latest needs --name: without it each start makes a new dated run folder, which "
                          "no later start could find; add --name NAME (the folder under --logs to resume)")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError, first_line, record_exit
-from ...ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS, slurm_master_addr, slurm_master_port
+from ...ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS, first_var, slurm_master_addr, slurm_master_port
 from .exits import EXIT_LOADER
 from .liveness import Liveness
 
@@ -116,13 +116,6 @@ def _collective_device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _first(env, names):
-    for name in names:
-        if name in env:
-            return name, env[name]
-    return None, None
-
-
 def _int_var(name, value):
     try:
         return int(value)
@@ -131,10 +124,9 @@ def _int_var(name, value):
 
 
 def world_from_env(env=None) -> World:
-    env = os.environ if env is None else env
-    rank_name, rank = _first(env, RANK_VARS)
-    world_name, world = _first(env, WORLD_VARS)
-    local_name, local = _first(env, LOCAL_RANK_VARS)
+    rank_name, rank = first_var(RANK_VARS, env)
+    world_name, world = first_var(WORLD_VARS, env)
+    local_name, local = first_var(LOCAL_RANK_VARS, env)
     if (rank is None) != (world is None):
         have, missing = (rank_name, "a world size (WORLD_SIZE or SLURM_NTASKS)") if rank is not None \
             else (world_name, "a rank (RANK or SLURM_PROCID)")
