@@ -26,10 +26,16 @@ def process_rank() -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    for var in RANK_VARS:
-        if os.environ.get(var, "").strip().isdigit():
-            return int(os.environ[var])
-    return 0
+    return launched_int(RANK_VARS, 0)
+
+
+def launched_int(names, default: int) -> int:
+    """The first of ``names`` set, as an integer (``int()``, as the trainer reads it); ``default`` when none is set or
+    it is not one (the trainer refuses it in one line naming the variable)."""
+    try:
+        return int(first_var(names)[1])
+    except (TypeError, ValueError):
+        return default
 
 
 def slurm_master_addr(nodelist: str) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from naflex_accum.testing.counted_step import CountedStep
+from counted_step import CountedStep
 
 SRC = Path(__file__).resolve().parent.parent
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",

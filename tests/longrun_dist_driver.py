@@ -41,7 +41,7 @@ def recording(name, fn):
 for op in OPS:
     setattr(dist, op, recording(op, getattr(dist, op)))
 
-from naflex_accum.testing.counted_step import CountedStep  # noqa: E402
+from counted_step import CountedStep  # noqa: E402
 from naflex_accum.train import main as train_main  # noqa: E402
 
 real_select = train_main.select_step

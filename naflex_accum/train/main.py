@@ -201,7 +201,9 @@ def run(args, world, device, ends_process: bool = False) -> dict:
                                        f"again" + (f" with {_again(args)}" if claim.resume else ""))
     try:
         return _run(args, world, device, claim, ends_process)
-    except UsageError:
+    except UsageError as exc:
+        if world.is_master and isinstance(exc, WriteError):  # a full disk: main says it on stderr, out.log too
+            _log_error(str(exc), file_only=True)
         claim.discard()  # a refused start leaves no folder it made, unless it trained a step or saved there
         raise
     finally:
@@ -266,8 +268,6 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
     except Exception as exc:
         what = transient(exc)
         if what is None:
-            if world.is_master and isinstance(exc, WriteError):  # a full disk: main says it on stderr, out.log too
-                _log_error(str(exc), file_only=True)
             raise
         exit_code = EXIT_LOADER
         which = "Writing the run folder" if isinstance(exc, WriteError) else "Data loader"

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 from ..accum.modes import resolve_mode
 from ..errors import PatchError, QuietUsageError, StartFailed, StepError, UsageError
-from ..ranks import WORLD_VARS, first_var, process_rank
+from ..ranks import WORLD_VARS, launched_int, process_rank
 from ..version import __version__
 from . import cmdline, preflight
 from .patch import TARGET_NAME, describe, gate, import_target, is_ours, patched
@@ -161,10 +161,9 @@ def _preflight(module, argv: Sequence[str], prog: str):
 def _refused(line: str, own_node: bool) -> UsageError:
     """Every rank of a launch reads the same flags and variables: rank 0 alone says a refusal of those; one that
     read this node's files, every rank that meets it, naming itself. One process (a stray ``RANK``) says it."""
-    rank, world = process_rank(), first_var(WORLD_VARS)[1] or ""
-    if rank == 0 or not world.strip().isdigit() or int(world) < 2:
+    if process_rank() == 0 or launched_int(WORLD_VARS, 1) < 2:
         return UsageError(line)
-    return UsageError(f"rank {rank}: {line}") if own_node else QuietUsageError(line)
+    return UsageError(f"rank {process_rank()}: {line}") if own_node else QuietUsageError(line)
 
 
 def run(argv: Sequence[str], prog: str = USAGE_PROG) -> int:

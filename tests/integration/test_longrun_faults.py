@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -162,6 +163,33 @@ def test_full_disk_is_one_line_and_leaves_no_partial_checkpoint(setup, tmp_path,
     finally:
         if mounted is not None:
             subprocess.run(["umount", str(small)])
+
+
+def test_a_tensorboard_folder_that_cannot_be_written_is_one_line_without_its_threads_traceback(tmp_path, monkeypatch):
+    """Red before: tensorboard's writer thread printed its OSError's traceback (``threading.excepthook``), then the
+    run its one line."""
+    import logging
+
+    from naflex_accum.errors import WriteError
+    from naflex_accum.train.output.logs import RunLogger
+
+    folder = _small_disk(tmp_path / "read-only", "1m,ro")
+    if folder is None:
+        pytest.skip("needs a read-only tmpfs (root)")
+    printed = []
+
+    def hook(args):  # the default hook prints the traceback
+        printed.append(args.exc_value)
+    monkeypatch.setattr(threading, "excepthook", hook)
+    try:
+        with pytest.raises(WriteError, match=f"cannot write {folder}: .*Read-only file system"):
+            run_logger = RunLogger(logging.getLogger("test"), True, folder)  # its thread may fail first
+            thread = next(t for t in threading.enumerate() if type(t).__name__ == "_AsyncWriterThread")
+            thread.join(timeout=10)  # it met the read-only folder and ended
+            run_logger.close()
+    finally:
+        subprocess.run(["umount", str(folder)])
+    assert printed == [] and threading.excepthook is hook  # and the hook is back
 
 
 def test_a_signal_after_the_run_has_saved_does_not_kill_the_process():

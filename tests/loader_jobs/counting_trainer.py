@@ -14,9 +14,11 @@ import naflex_accum.commands.train  # noqa: F401 (first: it sets torch's C++ log
 import torch
 import torch.distributed as dist
 
-from naflex_accum.testing.counted_step import CountedStep
 from naflex_accum.train import main
 from naflex_accum.train.model import fsdp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: counted_step
+from counted_step import CountedStep  # noqa: E402
 
 torch.set_num_threads(1)
 counts = {"reduce_scatters": 0, "steps": 0, "units": 0}

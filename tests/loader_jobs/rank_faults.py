@@ -25,7 +25,9 @@ from naflex_accum.data import fill, pipeline
 from naflex_accum.errors import UsageError
 from naflex_accum.train import main
 from naflex_accum.train.kept import saver
-from naflex_accum.testing.counted_step import CountedStep
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: counted_step
+from counted_step import CountedStep  # noqa: E402
 
 torch.set_num_threads(1)
 rank, record = int(os.environ.get("RANK", "0")), Path(os.environ["RECORD"])

@@ -9,6 +9,7 @@ import json
 import logging
 import logging.handlers
 import sys
+import threading
 from typing import Dict, Optional
 
 from open_clip_train.train import AverageMeter
@@ -81,8 +82,14 @@ class RunLogger:
         self.log, self.is_master, self.writer, self.wandb = logger, is_master, None, wandb_run
         self.results_file = results_file if is_master else None
         if is_master and tensorboard_dir is not None:
-            with writing(tensorboard_dir):
-                self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+            self.hook = threading.excepthook  # its writer thread's error: raised again by its next call, one line
+            threading.excepthook = lambda a: None if type(a.thread).__name__ == "_AsyncWriterThread" else self.hook(a)
+            try:
+                with writing(tensorboard_dir):
+                    self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+            except WriteError:
+                threading.excepthook = self.hook
+                raise
         self.loss_meters: Dict[str, Meter] = {}
         self.first_loss: Optional[float] = None
         self.epoch_losses: list = []  # average training loss of each finished epoch
@@ -181,8 +188,11 @@ class RunLogger:
             run.finish()
         if self.writer is not None:
             writer, self.writer = self.writer, None
-            with writing(writer.log_dir):
-                writer.close()
+            try:
+                with writing(writer.log_dir):
+                    writer.close()
+            finally:
+                threading.excepthook = self.hook
 
 
 def train_scalars(info: dict, elapsed: float) -> dict:

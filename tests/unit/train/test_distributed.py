@@ -6,8 +6,10 @@ Every subprocess has a timeout, so a hung collective fails the test instead of C
 import pytest
 
 from naflex_accum.errors import UsageError
-from naflex_accum.ranks import slurm_master_addr, slurm_master_port
+from naflex_accum.ranks import LOCAL_RANK_VARS, RANK_VARS, WORLD_VARS, process_rank, slurm_master_addr, \
+    slurm_master_port
 from naflex_accum.train.ending.distributed import world_from_env
+from naflex_accum.upstream.runner import _refused
 
 
 def test_torchrun_variables():
@@ -34,6 +36,29 @@ def test_slurm_variables_and_precedence():
 def test_half_set_environment_is_an_error(env, match):
     with pytest.raises(UsageError, match=match):
         world_from_env(env)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    for name in (*RANK_VARS, *WORLD_VARS, *LOCAL_RANK_VARS):
+        monkeypatch.delenv(name, raising=False)
+    return lambda **env: [monkeypatch.setenv(k, v) for k, v in env.items()]
+
+
+@pytest.mark.parametrize("env", [dict(RANK="+1", WORLD_SIZE="2"), dict(RANK="1_0", WORLD_SIZE="20"),
+                                 dict(RANK=" 1", SLURM_PROCID="0", WORLD_SIZE="2"), dict(PMI_RANK="1", PMI_SIZE="2")])
+def test_the_runner_and_the_trainer_agree_on_the_rank(launched, env):
+    """The runner's rank-0-only messages and the trainer's world read the same variable the same way (the
+    runner skipped a value that was not all digits: rank 0 to it, rank 1 to the trainer)."""
+    launched(**env)
+    assert process_rank() == world_from_env().rank != 0
+
+
+def test_a_variable_that_is_no_integer_is_the_trainers_one_line_not_the_runners_traceback(launched):
+    launched(RANK="\u00b2", WORLD_SIZE="\u00b2")  # str.isdigit() holds for it, int() refuses it
+    assert process_rank() == 0 and type(_refused("a refusal", own_node=False)) is UsageError
+    with pytest.raises(UsageError, match="RANK='\u00b2' is not an integer"):
+        world_from_env()
 
 
 @pytest.mark.parametrize("nodelist,head", [

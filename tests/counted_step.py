@@ -2,8 +2,9 @@
 
 Invariant: calling a ``CountedStep`` is calling the step it wraps (same arguments, same result), after
 ``before(calls)`` has run with the number of this call (1-based); ``window_scale`` is the wrapped step's own, so
-the trainer's loop logs what it would have. Tests and fault jobs wrap ``train.main.select_step``'s step with it to
-count optimizer steps or to send a signal from inside a chosen microbatch.
+the trainer's loop logs what it would have. The tests and their fault jobs (which put this folder on their path)
+wrap ``train.main.select_step``'s step with it to count optimizer steps or to send a signal from inside a chosen
+microbatch.
 """
 from typing import Callable, Optional
 
