@@ -87,7 +87,7 @@ class RunLogger:
             try:
                 with writing(tensorboard_dir):
                     self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
-            except WriteError:
+            except BaseException:
                 threading.excepthook = self.hook
                 raise
         self.loss_meters: Dict[str, Meter] = {}
