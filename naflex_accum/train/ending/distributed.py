@@ -128,8 +128,8 @@ def world_from_env(env=None) -> World:
     world_name, world = first_var(WORLD_VARS, env)
     local_name, local = first_var(LOCAL_RANK_VARS, env)
     if (rank is None) != (world is None):
-        have, missing = (rank_name, "a world size (WORLD_SIZE or SLURM_NTASKS)") if rank is not None \
-            else (world_name, "a rank (RANK or SLURM_PROCID)")
+        have, missing = (rank_name, f"a world size ({WORLD_VARS[RANK_VARS.index(rank_name)]})") if rank is not None \
+            else (world_name, f"a rank ({RANK_VARS[WORLD_VARS.index(world_name)]})")  # its launcher's own pair
         raise UsageError(f"{have} is set but {missing} is not: launch with torchrun or srun, or unset {have}")
     if rank is None:
         return World()

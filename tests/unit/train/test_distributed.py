@@ -30,6 +30,8 @@ def test_slurm_variables_and_precedence():
 @pytest.mark.parametrize("env,match", [
     ({"RANK": "1"}, "RANK is set but a world size"),
     ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but a rank"),
+    ({"PMI_SIZE": "2"}, r"PMI_SIZE is set but a rank \(PMI_RANK\) is not"),  # was (RANK or SLURM_PROCID)
+    ({"SLURM_PROCID": "1"}, r"SLURM_PROCID is set but a world size \(SLURM_NTASKS\) is not"),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK=2 is not in \[0, WORLD_SIZE=2\)"),
 ])
