@@ -161,9 +161,10 @@ def _preflight(module, argv: Sequence[str], prog: str):
 def _refused(line: str, own_node: bool) -> UsageError:
     """Every rank of a launch reads the same flags and variables: rank 0 alone says a refusal of those; one that
     read this node's files, every rank that meets it, naming itself. One process (a stray ``RANK``) says it."""
-    if process_rank() == 0 or launched_int(WORLD_VARS, 1) < 2:
+    rank = process_rank()
+    if rank == 0 or launched_int(WORLD_VARS, 1) < 2:
         return UsageError(line)
-    return UsageError(f"rank {process_rank()}: {line}") if own_node else QuietUsageError(line)
+    return UsageError(f"rank {rank}: {line}") if own_node else QuietUsageError(line)
 
 
 def run(argv: Sequence[str], prog: str = USAGE_PROG) -> int:

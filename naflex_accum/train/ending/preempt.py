@@ -44,8 +44,8 @@ def launch_time() -> float:
     launched, value = process_start(), os.environ.get(LAUNCHED_ENV)
     if value:
         with contextlib.suppress(ValueError):
-            if math.isfinite(float(value)):  # -inf would make every STOP file newer than the launch
-                return min(launched, float(value))
+            if math.isfinite(when := float(value)):  # -inf would make every STOP file newer than the launch
+                return min(launched, when)
         log.warning(f"${LAUNCHED_ENV}={value!r} is not a time in epoch seconds; ignored (this process's start "
                     f"counts as the launch)")
     return launched
