@@ -137,6 +137,8 @@ def world_from_env(env=None) -> World:
     local = _int_var(local_name, local) if local is not None else 0
     if world < 1 or not 0 <= rank < world:
         raise UsageError(f"{rank_name}={rank} is not in [0, {world_name}={world})")
+    if local < 0:  # cuda:-3 would fail deep inside torch
+        raise UsageError(f"{local_name}={local} is negative: a local rank is 0 or more")
     return World(rank=rank, local_rank=local, world_size=world, distributed=world > 1)
 
 

@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import re
+import shlex
 import sys
 import types
 import zipfile
@@ -149,7 +150,7 @@ def load_payload(path, flag: str = "--resume", mmap: bool = False) -> dict:
         what = "no such file" if not os.path.lexists(path) else \
             "a broken or looping symbolic link" if not path.exists() else \
             "a folder, not a file" if path.is_dir() else "not a regular file (a device, pipe or socket)"
-        raise UsageError(f"{flag} {path}: {what}")
+        raise UsageError(f"{flag} {shlex.quote(str(path))}: {what}")  # quoted as typed: 'latest ' shows its space
     if _format(path, flag) == "safetensors":
         return _load_safetensors(path, flag)
     try:

@@ -54,6 +54,7 @@ def setup_logging(log_file=None, is_master: bool = True) -> logging.Logger:
     logger.addHandler(console)
     if log_file is not None and is_master:
         with writing(log_file):
+            append_line(log_file)
             handler = _FileHandler(log_file, mode="a")
         handler.setFormatter(fmt)
         logger.addHandler(handler)
@@ -63,6 +64,13 @@ def setup_logging(log_file=None, is_master: bool = True) -> logging.Logger:
     elif is_master:  # held for out.log, never flushed before it has a target
         logger.addHandler(logging.handlers.MemoryHandler(capacity=1000, flushLevel=logging.CRITICAL + 1))
     return logger
+
+
+def append_line(path, text: str = "") -> None:
+    """``text`` at the end of ``path``, after the newline that a line cut off by a full disk lacks."""
+    with open(path, "ab+") as f:
+        cut = f.tell() > 0 and (f.seek(-1, 2), f.read(1))[1] != b"\n"
+        f.write(b"\n" * cut + text.encode())
 
 
 class Meter(AverageMeter):
@@ -171,10 +179,9 @@ class RunLogger:
         self._scalars("val", metrics, epoch, wandb_step=max(global_step - 1, 0))
 
     def _append_result(self, metrics: Dict[str, float]):
-        if self.results_file is None:
-            return
-        with writing(self.results_file), open(self.results_file, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        if self.results_file is not None:
+            with writing(self.results_file):
+                append_line(self.results_file, json.dumps(metrics) + "\n")
 
     def flush(self):
         """Tensorboard's pending events to disk (the liveness listener's last act before it ends the process)."""

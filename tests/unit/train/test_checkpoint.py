@@ -246,6 +246,8 @@ def test_what_is_not_a_file_says_what_it_is(tmp_path):
                        ("fifo.pt", r"not a regular file \(a device, pipe or socket\)"), ("none.pt", "no such file")):
         with pytest.raises(UsageError, match=rf"^--pretrained \S+{name}: {what}$"):
             load_payload(tmp_path / name, flag="--pretrained")
+    with pytest.raises(UsageError, match=r"^--resume 'latest ': no such file$"):  # the space showed as nothing
+        load_payload("latest ")
 
 
 def test_a_pickle_renamed_in_the_zip_directory_is_still_checked(tmp_path):

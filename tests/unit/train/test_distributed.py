@@ -34,6 +34,7 @@ def test_slurm_variables_and_precedence():
     ({"SLURM_PROCID": "1"}, r"SLURM_PROCID is set but a world size \(SLURM_NTASKS\) is not"),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK=2 is not in \[0, WORLD_SIZE=2\)"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "-3"}, "LOCAL_RANK=-3 is negative"),  # was taken
 ])
 def test_half_set_environment_is_an_error(env, match):
     with pytest.raises(UsageError, match=match):

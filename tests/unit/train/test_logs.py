@@ -2,7 +2,7 @@
 import logging
 import logging.handlers
 
-from naflex_accum.train.output.logs import LOGGER_NAME, setup_logging
+from naflex_accum.train.output.logs import LOGGER_NAME, RunLogger, setup_logging
 
 
 def _messages(path):
@@ -38,3 +38,15 @@ def test_other_ranks_keep_nothing(tmp_path):
     assert not any(isinstance(h, logging.handlers.MemoryHandler) for h in log.handlers)
     setup_logging(tmp_path / "out.log", False)
     assert not (tmp_path / "out.log").exists()
+
+
+def test_a_line_cut_off_by_a_full_disk_is_ended_before_a_resume_appends(tmp_path):
+    """out.log and results.jsonl filled to the last byte end mid-line: the next start's lines stand alone."""
+    log = logging.getLogger(LOGGER_NAME)
+    (tmp_path / "out.log").write_text("2026-12-07,10:00:00 | INFO | Train Epoch: 0 [ 16/6")
+    (tmp_path / "results.jsonl").write_text('{"epoch": 1}\n{"epoch": 2, "image_to')
+    setup_logging(tmp_path / "out.log", True)
+    log.info("resumed")
+    assert _messages(tmp_path / "out.log")[1:] == ["resumed"]
+    RunLogger(log, True, results_file=tmp_path / "results.jsonl").eval(3, {"epoch": 3}, 12)
+    assert (tmp_path / "results.jsonl").read_text().splitlines()[2:] == ['{"epoch": 3}']
