@@ -1,7 +1,8 @@
-"""A command's stdout and stderr after their reader has gone (``naflex-accum export CKPT DIR | head -1``).
+"""A command's stdout and stderr once they cannot be written: their reader has gone (``export CKPT DIR | head -1``)
+or their file's disk is full (``> /dev/full``).
 
-Invariant: from ``install`` on, a write or flush that finds its pipe closed points the stream at the null
-device and counts as done, so no ``BrokenPipeError`` reaches the command and it runs to its own end and status.
+Invariant: from ``install`` on, a write or flush that fails (a closed pipe, ``ENOSPC``, ``EIO``) points the stream
+at the null device and counts as done, so no ``OSError`` reaches the command and it runs to its own end and status.
 Nothing here imports more than Python's start-up has loaded.
 """
 import os
@@ -15,17 +16,17 @@ class _Output:
     def write(self, text):
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            self._reader_gone()
+        except OSError:  # BrokenPipeError, or a full disk's
+            self._unwritable()
             return len(text)
 
     def flush(self):
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            self._reader_gone()
+        except OSError:  # BrokenPipeError, or a full disk's
+            self._unwritable()
 
-    def _reader_gone(self):
+    def _unwritable(self):
         null = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(null, self._stream.fileno())

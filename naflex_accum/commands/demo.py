@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..data.demo import write_demo_data
 from ..data.index import cache_dir
-from ..errors import OneLineParser
+from ..errors import OneLineParser, UsageError
 from ..helptext import DefaultsFormatter
 from ..train.eval.zeroshot import load_class_list
 from ..train.main import print_footer, train
@@ -25,7 +25,11 @@ def default_data_dir() -> Path:
 
 
 def ensure_demo_data(data_dir: Path, num_samples: int, val_samples: int) -> dict:
+    data_dir = data_dir.absolute()  # '.' has no name for a sibling
     marker = data_dir / "patterns.txt"
+    if os.path.lexists(data_dir) and not marker.is_file():  # never ours: ours is renamed into place whole
+        raise UsageError(f"--data-dir {data_dir}: exists and is no demo data folder (it has no {marker.name}); give "
+                         f"a folder that does not exist yet, which the demo writes, or one an earlier demo wrote")
     if not marker.is_file():
         tmp = data_dir.with_name(f".{data_dir.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -34,8 +38,6 @@ def ensure_demo_data(data_dir: Path, num_samples: int, val_samples: int) -> dict
         (tmp / "patterns.txt").write_text(f"train={Path(patterns.train).relative_to(tmp)}\n"
                                           f"val={Path(patterns.val).relative_to(tmp)}\n")
         data_dir.parent.mkdir(parents=True, exist_ok=True)
-        if data_dir.exists():  # a stale partial folder of ours, without its marker
-            shutil.rmtree(data_dir)
         os.replace(tmp, data_dir)
     entries = dict(line.split("=", 1) for line in marker.read_text().split())
     return {k: str(data_dir / v) for k, v in entries.items()}

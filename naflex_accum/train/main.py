@@ -37,7 +37,7 @@ from .monitor import NonFiniteLoss, StepMonitor
 from .output.logs import RunLogger, log_file_only, setup_logging
 from .output.report import open_wandb, sinks
 from .output.summary import finished, log_nothing_to_do, log_summary
-from .ending.liveness import RankFailure
+from .ending.liveness import Failure
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
         if world.is_master:
             _log_error(line)
         if world.distributed:  # every rank ends with it; rank 0 prints another rank's (liveness)
-            raise RankFailure(line, EXIT_LOADER) from None
+            raise Failure(world.rank, EXIT_LOADER, line) from None
     finally:
         stop_workers()  # a worker that outlived a failure would hold the process at exit (workers ignore SIGTERM)
         stop.close()
@@ -291,7 +291,7 @@ def _run(args, world, device, claim, ends_process: bool) -> dict:
 
 def train(argv=None, prog="naflex-accum train", ends_process: bool = False) -> dict:
     """Parse, set up the process group, run, tear down; run()'s summary (rank 0's is complete). With several
-    processes every rank ends in the first failure's class (``liveness``): ``QuietUsageError`` or ``RankFailure``
+    processes every rank ends in the first failure's class (``liveness``): ``QuietUsageError`` or ``Failure``
     where it was printed elsewhere. ``ends_process``: see ``preempt``."""
     try:
         args, bad = parse_args(argv, prog), None
@@ -348,7 +348,7 @@ def main(argv=None, prog="naflex-accum train", ends_process: bool = False) -> in
         if not isinstance(exc, QuietUsageError):  # rank 0 prints that
             print(line, file=sys.stderr)
         return exc.exit_code
-    except RankFailure as ended:  # its line was printed where it had to be
+    except Failure as ended:  # its line was printed where it had to be
         return ended.code
     except Exception as exc:  # one process, before the run proper (counting the shards, making its folder) or after
         what = transient(exc)

@@ -1,6 +1,6 @@
-"""A reader that has gone (``naflex-accum export CKPT DIR | head -1``): every command still does its work and
-exits with its own status, with no traceback; what it would have printed goes nowhere. The reader is gone before
-the command starts (a pipe whose reading end is closed), so every write to stdout fails."""
+"""A reader that has gone (``naflex-accum export CKPT DIR | head -1``), or a full disk under stdout: every command
+still does its work and exits with its own status, with no traceback; what it would have printed goes nowhere. The
+reader is gone before the command starts (a pipe whose reading end is closed), so every write to stdout fails."""
 import os
 import subprocess
 import sys
@@ -19,12 +19,15 @@ from naflex_accum.train.kept.resume import epoch_payload
 CONSOLE_SCRIPT = Path(sys.executable).with_name("naflex-accum")
 
 
-def run_reader_gone(args, timeout=300, buffered=False):
-    """``naflex-accum ARGS`` with its stdout a pipe nobody reads any more: ``(exit status, stderr)``. ``buffered``:
-    Python's default for a pipe, where the writes fail at the end (else each print fails, as with
-    ``PYTHONUNBUFFERED=1``)."""
-    read, write = os.pipe()
-    os.close(read)
+def run_reader_gone(args, timeout=300, buffered=False, full=False):
+    """``naflex-accum ARGS`` with its stdout a pipe nobody reads any more (``full``: ``/dev/full``, a disk with no
+    room left): ``(exit status, stderr)``. ``buffered``: Python's default for a pipe, where the writes fail at the
+    end (else each print fails, as with ``PYTHONUNBUFFERED=1``)."""
+    if full:
+        write = os.open("/dev/full", os.O_WRONLY)
+    else:
+        read, write = os.pipe()
+        os.close(read)
     env = {k: v for k, v in SUBPROCESS_ENV.items() if k != "PYTHONUNBUFFERED" or not buffered}
     try:
         proc = subprocess.run([str(CONSOLE_SCRIPT), *args], stdout=write, stderr=subprocess.PIPE,
@@ -36,7 +39,7 @@ def run_reader_gone(args, timeout=300, buffered=False):
 
 
 def quiet(err: str) -> bool:
-    return not any(word in err for word in ("Traceback", "BrokenPipe", "Exception ignored", "Logging error"))
+    return not any(word in err for word in ("Traceback", "BrokenPipe", "Exception ignored", "Logging error", "Errno"))
 
 
 @pytest.mark.parametrize("buffered", [False, True], ids=["unbuffered", "buffered"])
@@ -68,8 +71,8 @@ def test_make_demo_data_and_train(tmp_path):
                                  "naflex-tiny", "--naflex-seq-lens", "16", "--naflex-max-tokens-per-batch", "128",
                                  "--naflex-batch-divisor", "1", "--train-num-samples", "64", "--epochs", "1",
                                  "--workers", "0", "--device", "cpu", "--logs", str(tmp_path / "logs"),
-                                 "--name", "r", "--log-every-n-steps", "1"])
-    assert code == 0 and quiet(err), err[-3000:]
+                                 "--name", "r", "--log-every-n-steps", "1"], full=True)
+    assert code == 0 and quiet(err), err[-3000:]  # > /dev/full: a logging error's traceback a line, exit 1
     assert (tmp_path / "logs" / "r" / "checkpoints" / "epoch_1.pt").is_file()
     assert "Train Epoch" in (tmp_path / "logs" / "r" / "out.log").read_text()  # the log file has it all
 

@@ -135,7 +135,9 @@ def world_from_env(env=None) -> World:
         return World()
     rank, world = _int_var(rank_name, rank), _int_var(world_name, world)
     local = _int_var(local_name, local) if local is not None else 0
-    if world < 1 or not 0 <= rank < world:
+    if world < 1:
+        raise UsageError(f"{world_name}={world}: a world size is 1 or more")
+    if not 0 <= rank < world:
         raise UsageError(f"{rank_name}={rank} is not in [0, {world_name}={world})")
     if local < 0:  # cuda:-3 would fail deep inside torch
         raise UsageError(f"{local_name}={local} is negative: a local rank is 0 or more")

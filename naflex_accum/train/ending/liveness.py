@@ -36,21 +36,14 @@ COMM_MARKERS = ("/gloo/", "Connection reset by peer", "Connection closed by peer
 STUCK = (TimeoutError, ConnectionError)  # what a store call raises when the store gives no answer, or is gone
 
 
-class RankFailure(Exception):
-    """This rank ends in exit class ``code`` after a failure the run handles (``line``), e.g. its data loader's;
-    raised again by ``end_with`` once the line was printed where it had to be."""
-
-    def __init__(self, line: str, code: int):
-        super().__init__(line)
-        self.line, self.code = line, code
-
-
 class Decided(Exception):
     """Raised in the loop at a step boundary once the listener knows how this rank ends: no step or save after it."""
 
 
-@dataclass
-class Failure:
+@dataclass(eq=False)
+class Failure(Exception):
+    """How the job ends: raised where the run handles a failure (its data loader's), recorded once in the job's
+    store, raised again by ``end_with`` on every rank once its line was printed where it had to be."""
     rank: int  # the rank that failed
     code: int  # the exit class every rank ends with
     line: str  # one line, naming the rank
@@ -60,8 +53,8 @@ class Failure:
 
 def own_failure(exc: BaseException, rank: int) -> Optional[Failure]:
     """The failure ``exc`` is on this rank, or None when it only says that a peer is gone or silent."""
-    if isinstance(exc, RankFailure):
-        return Failure(rank, exc.code, exc.line)
+    if isinstance(exc, Failure):
+        return exc
     what = transient(exc)
     if what is not None:
         return Failure(rank, EXIT_LOADER, f"rank {rank}: {what} (exit {EXIT_LOADER})", text=what)
@@ -199,7 +192,7 @@ class Liveness:
             raise exc  # printed as one process prints it: by the CLI, or with its traceback (a bug)
         if first.code == 2:
             raise QuietUsageError(first.line) from None
-        raise RankFailure(first.line, first.code) from None
+        raise first from None
 
     def after_comm_error(self, exc: BaseException) -> Failure:
         """The failure behind a collective that broke: a peer's record, else the ranks that miss a roll call."""

@@ -12,6 +12,7 @@ import math
 import os
 import select
 import signal
+import stat
 import threading
 import time
 from pathlib import Path
@@ -77,11 +78,12 @@ class StopRequest:
         if not self.world.is_master:
             return
         try:
-            written = self.stop_file.stat().st_mtime
+            info = self.stop_file.stat()
         except FileNotFoundError:
             return
-        launched = launch_time()
-        if written < launched - CLOCK_SKEW:
+        if not stat.S_ISREG(info.st_mode):  # a folder named STOP would be taken for a request at every start
+            log.warning(f"{self.stop_file} is not a file: it asks no stop (a stop request is a file: touch it)")
+        elif info.st_mtime < launch_time() - CLOCK_SKEW:
             self.stop_file.unlink(missing_ok=True)
             log.info(f"Removed {self.stop_file}, a stop request from before this start")
         else:
@@ -89,17 +91,17 @@ class StopRequest:
 
     def served(self) -> None:
         """The run saved after the request: remove the STOP file (rank 0), a request that has been answered."""
-        if self.world.is_master:
+        if self.world.is_master and self.stop_file.is_file():
             self.stop_file.unlink(missing_ok=True)
 
     def pending(self) -> bool:
         """This rank's request (a signal, or on rank 0 the STOP file); the loop's check makes it everyone's."""
-        return self.signalled is not None or (self.world.is_master and self.stop_file.exists())
+        return self.signalled is not None or (self.world.is_master and self.stop_file.is_file())
 
     def reason(self) -> str:
         if self.signalled:
             return self.signalled
-        return "the STOP file" if self.world.is_master and self.stop_file.exists() else "another rank's request"
+        return "the STOP file" if self.world.is_master and self.stop_file.is_file() else "another rank's request"
 
     def close(self) -> None:
         restore_handlers(self._previous, self.ends_process)

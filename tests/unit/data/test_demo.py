@@ -106,3 +106,19 @@ def test_val_num_samples_without_sizes_json(data, tmp_path):
     val = make_val_loader(str(tmp_path / "v.tar"), CharTokenizer(), seq_len=16, batch_size=64)
     assert val.num_samples == 40
     assert [b["text"].shape[0] for b in val] == [40]
+
+
+def test_the_demo_never_removes_a_folder_it_did_not_write(tmp_path, monkeypatch):
+    """``demo --data-dir`` named a user's folder: it removed it and wrote the demo data there."""
+    from naflex_accum.commands.demo import ensure_demo_data
+    from naflex_accum.errors import UsageError
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "precious.txt").write_text("kept")
+    (tmp_path / "a-file").write_text("kept")
+    monkeypatch.chdir(tmp_path / "mine")
+    for given in (tmp_path / "mine", tmp_path / "a-file", os.path.curdir):  # '.' was a traceback
+        with pytest.raises(UsageError, match=r"exists and is no demo data folder \(it has no patterns.txt\)"):
+            ensure_demo_data(type(tmp_path)(given), 8, 4)
+    assert (tmp_path / "mine" / "precious.txt").read_text() == (tmp_path / "a-file").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "mine"]  # nothing written beside them

@@ -35,6 +35,7 @@ def test_slurm_variables_and_precedence():
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK=2 is not in \[0, WORLD_SIZE=2\)"),
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "-3"}, "LOCAL_RANK=-3 is negative"),  # was taken
+    ({"RANK": "0", "WORLD_SIZE": "-2"}, "WORLD_SIZE=-2: a world size is 1 or more"),  # named RANK=0
 ])
 def test_half_set_environment_is_an_error(env, match):
     with pytest.raises(UsageError, match=match):

@@ -168,6 +168,28 @@ def test_stop_file_is_cleared_on_start(shards, tmp_path):
     assert not result["preempted"] and result["epoch"] == 1
 
 
+def test_a_folder_named_stop_is_no_request_and_is_left_with_a_warning(tmp_path, monkeypatch):
+    """It was taken for a request, and its removal after the save raised (exit 1, not 75); every later start then
+    failed the same way at its start."""
+    from types import SimpleNamespace
+
+    from naflex_accum.train.ending import preempt
+
+    warned = []
+    monkeypatch.setattr(preempt.log, "warning", warned.append)
+    (tmp_path / "STOP").mkdir()
+    stop = preempt.StopRequest(tmp_path / "STOP", SimpleNamespace(is_master=True))
+    try:
+        stop.clear()
+        assert not stop.pending() and len(warned) == 1 and "STOP is not a file: it asks no stop" in warned[0]
+        stop.signalled = "SIGTERM"
+        assert stop.pending() and stop.reason() == "SIGTERM"
+        stop.served()
+    finally:
+        stop.close()
+    assert (tmp_path / "STOP").is_dir()
+
+
 @pytest.mark.parametrize("value", ["-inf", "nan", "inf", "abc"])
 def test_a_launch_time_that_is_no_time_is_warned_and_not_used(monkeypatch, value):
     """-inf would make every STOP file newer than the launch, so a stale one would stop the run at once."""
