@@ -350,7 +350,7 @@ def validate(args) -> None:
     if args.siglip and (args.local_loss or args.gather_with_grad):
         raise UsageError("--local-loss and --gather-with-grad apply to the CLIP loss, not --siglip")
     if args.name is not None and (not args.name or "/" in args.name or args.name in (".", "..")):
-        raise UsageError(f"--name {args.name!r}: use a plain folder name without '/'")
+        raise UsageError(f"--name {args.name!r}: use a plain folder name (not empty, '.' or '..', no '/')")
     if args.name is not None and len(args.name.encode()) > 255:
         raise UsageError(f"--name is {len(args.name.encode())} bytes long: a folder name holds at most 255")
     if args.val_seq_len is not None and args.val_seq_len > args.naflex_max_tokens_per_batch:

@@ -220,6 +220,16 @@ def test_a_name_longer_than_a_folder_name_is_one_line(setup, tmp_path, capsys):
                     "--name is 300 bytes long: a folder name holds at most 255")
 
 
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b"])
+def test_a_name_that_is_no_folder_name_says_why(name):
+    """'' and '.' were told to drop a '/' they do not have."""
+    from naflex_accum.errors import UsageError
+    from naflex_accum.train.config.params import parse_args
+
+    with pytest.raises(UsageError, match=r"use a plain folder name \(not empty, '\.' or '\.\.', no '/'\)"):
+        parse_args(["--train-data", "absent.tar", "--name", name])
+
+
 def test_one_patch_size_other_than_the_models_is_one_line(setup, tmp_path, capsys):
     """Red before: a shape traceback at the first forward (a flattened 7x7 patch against a 16x16 embedding)."""
     shards, model = setup
