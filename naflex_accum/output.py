@@ -40,8 +40,8 @@ class _Output:
 def install() -> None:
     """``sys.stdout`` and ``sys.stderr`` as above (idempotent; a stream without a file descriptor is left)."""
     for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if stream is None or isinstance(stream, _Output):
+        stream = getattr(sys, name) or open(os.devnull, "w")  # None: closed before the start (`>&-`)
+        if isinstance(stream, _Output):
             continue
         try:
             stream.fileno()

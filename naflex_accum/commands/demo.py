@@ -1,17 +1,16 @@
 """``naflex-accum demo``: make the synthetic demo data once, train the tiny model on the CPU, show what it learnt.
 
 Invariant: the demo data is written to a temporary sibling and renamed, so a cache folder that exists is
-complete; each run gets a new ``demo-<date>`` folder; ``train`` flags after the demo's own win over the
-``demo`` preset. docs/training.md, "The demo".
+complete, and one without its marker is a user's, refused, never replaced; each run gets a new ``demo-<date>``
+folder; ``train`` flags after the demo's own win over the ``demo`` preset. docs/training.md, "The demo".
 """
 import os
-import shutil
 from datetime import datetime
 from pathlib import Path
 
 from ..data.demo import write_demo_data
 from ..data.index import cache_dir
-from ..errors import OneLineParser, UsageError
+from ..errors import OneLineParser, UsageError, check_int, writing
 from ..helptext import DefaultsFormatter
 from ..train.eval.zeroshot import load_class_list
 from ..train.main import print_footer, train
@@ -32,13 +31,13 @@ def ensure_demo_data(data_dir: Path, num_samples: int, val_samples: int) -> dict
                          f"a folder that does not exist yet, which the demo writes, or one an earlier demo wrote")
     if not marker.is_file():
         tmp = data_dir.with_name(f".{data_dir.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         print(f"demo: writing {num_samples} training and {val_samples} held-out samples to {data_dir}")
-        patterns = write_demo_data(tmp, num_samples=num_samples, val_samples=val_samples, seed=0)
-        (tmp / "patterns.txt").write_text(f"train={Path(patterns.train).relative_to(tmp)}\n"
-                                          f"val={Path(patterns.val).relative_to(tmp)}\n")
-        data_dir.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, data_dir)
+        with writing(data_dir):  # a parent that is a file, or that cannot be made: one line
+            patterns = write_demo_data(tmp, num_samples=num_samples, val_samples=val_samples, seed=0)
+            (tmp / "patterns.txt").write_text(f"train={Path(patterns.train).relative_to(tmp)}\n"
+                                              f"val={Path(patterns.val).relative_to(tmp)}\n")
+            data_dir.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, data_dir)
     entries = dict(line.split("=", 1) for line in marker.read_text().split())
     return {k: str(data_dir / v) for k, v in entries.items()}
 
@@ -83,6 +82,7 @@ def build_parser(prog="naflex-accum demo") -> OneLineParser:
 
 def main(argv, prog="naflex-accum demo", ends_process=False) -> int:
     args, train_flags = build_parser(prog).parse_known_args(argv)
+    check_int(args.val_samples, "--val-samples")  # the demo evaluates on them
 
     patterns = ensure_demo_data(args.data_dir, args.num_samples, args.val_samples)
     name = args.name or f"demo-{datetime.now().strftime('%Y_%m_%d-%H_%M_%S')}"

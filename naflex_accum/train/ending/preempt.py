@@ -79,7 +79,7 @@ class StopRequest:
             return
         try:
             info = self.stop_file.stat()
-        except FileNotFoundError:
+        except OSError:  # none there, or a link that loops: no request
             return
         if not stat.S_ISREG(info.st_mode):  # a folder named STOP would be taken for a request at every start
             log.warning(f"{self.stop_file} is not a file: it asks no stop (a stop request is a file: touch it)")

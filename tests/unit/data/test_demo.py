@@ -122,3 +122,16 @@ def test_the_demo_never_removes_a_folder_it_did_not_write(tmp_path, monkeypatch)
             ensure_demo_data(type(tmp_path)(given), 8, 4)
     assert (tmp_path / "mine" / "precious.txt").read_text() == (tmp_path / "a-file").read_text() == "kept"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "mine"]  # nothing written beside them
+
+
+def test_a_demo_data_folder_that_cannot_be_written_or_has_nothing_held_out_is_one_line(tmp_path):
+    """Red before: a NotADirectoryError traceback; --val-samples 0 a ValueError after the data was written."""
+    from naflex_accum.commands import demo
+    from naflex_accum.errors import UsageError
+
+    (tmp_path / "a-file").write_text("kept")
+    with pytest.raises(UsageError, match=r"^cannot write \S+/a-file/sub: \[Errno 20\] Not a directory"):
+        demo.ensure_demo_data(tmp_path / "a-file" / "sub", 8, 4)
+    with pytest.raises(UsageError, match=r"^--val-samples must be a positive integer, got 0$"):
+        demo.main(["--data-dir", str(tmp_path / "new"), "--val-samples", "0"])
+    assert not (tmp_path / "new").exists()

@@ -190,6 +190,21 @@ def test_a_folder_named_stop_is_no_request_and_is_left_with_a_warning(tmp_path, 
     assert (tmp_path / "STOP").is_dir()
 
 
+def test_a_stop_link_that_loops_is_no_request(tmp_path):
+    """Red before: OSError (too many levels of symbolic links) at every start."""
+    from types import SimpleNamespace
+
+    from naflex_accum.train.ending import preempt
+
+    (tmp_path / "STOP").symlink_to(tmp_path / "STOP")
+    stop = preempt.StopRequest(tmp_path / "STOP", SimpleNamespace(is_master=True))
+    try:
+        stop.clear()
+        assert not stop.pending()
+    finally:
+        stop.close()
+
+
 @pytest.mark.parametrize("value", ["-inf", "nan", "inf", "abc"])
 def test_a_launch_time_that_is_no_time_is_warned_and_not_used(monkeypatch, value):
     """-inf would make every STOP file newer than the launch, so a stale one would stop the run at once."""
