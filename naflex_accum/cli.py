@@ -12,11 +12,14 @@ try:  # first (see the module docstring)
     install_interrupt()
     import argparse
     import importlib
+    import re
     import sys
     from typing import List, Optional
 
     from . import __version__, output
     from .errors import UsageError, first_line, last_word, record_exit
+    # pip's console script compiles this between this import and entry(), where a Ctrl-C is a traceback: cached
+    re.compile(r"(-script\.pyw|\.exe)?$")
 except KeyboardInterrupt:
     import sys  # built in: loaded before any code runs
 
@@ -61,7 +64,7 @@ def main(argv: Optional[List[str]] = None, ends_process: bool = False) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="naflex-accum", description="Exact, split-invariant gradient accumulation "
                                      "for OpenCLIP NaFlex CLIP and SigLIP training.")
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=f"naflex-accum {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -106,10 +109,6 @@ def entry(argv: Optional[List[str]] = None) -> int:
         finished()
         output.flush()
         record_exit(code, last_word())
-
-
-def _version() -> str:
-    return f"naflex-accum {__version__}"
 
 
 if __name__ == "__main__":
